@@ -1,0 +1,264 @@
+"""e2 apply: the pinned upstream with the series on top, one commit per patch."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import git
+
+from e2 import console
+from e2.errors import E2Error
+from e2.fsio import read_tree
+from e2.gitops import (COMMITTER_ENV, DIFF_FLAGS, Hunk, clone_worktree, open_worktree,
+                       parse_hunks, remove_tree, require_clean, stable_git, worktree_base)
+from e2.series import Patch, Project, Series
+from e2.upstream import UpstreamCache
+
+Status = Literal["clean", "offset", "merged"]
+
+
+@dataclass
+class PatchResult:
+    patch: Patch
+    status: Status
+    commit: str
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AppliedTree:
+    path: Path
+    repo: git.Repo
+    base_tag: str
+    base_commit: str
+    results: list[PatchResult]
+
+    @property
+    def head(self) -> str:
+        return self.repo.head.commit.hexsha
+
+    def commit_of(self, patch_id: str) -> str:
+        return next(r.commit for r in self.results if r.patch.id == patch_id)
+
+
+@dataclass
+class UpstreamOptions:
+    """How to reach upstream; filled from the global CLI options."""
+
+    cache: UpstreamCache
+    source: str = "auto"
+    local: Path | None = None
+
+    def ensure(self, series: Series) -> str:
+        return self.cache.ensure(series.upstream, source=self.source, local=self.local)
+
+
+def select_patches(series: Series, through: str | None) -> list[Patch]:
+    if through is None:
+        return list(series.patches)
+    series.by_id(through)  # a clear error for an unknown id
+    selected = []
+    for patch in series.patches:
+        selected.append(patch)
+        if patch.id == through:
+            break
+    return selected
+
+
+def apply_series(project: Project, series: Series, dest: Path, upstream: UpstreamOptions,
+                 through: str | None = None, exact: bool = False,
+                 replace: bool = False) -> AppliedTree:
+    patches = select_patches(series, through)
+    for patch in patches:
+        if not project.patch_path(patch).is_file():
+            raise E2Error(f"series.yaml lists {patch.id} as patches/{patch.file}, "
+                          "which does not exist",
+                          hint="restore the file or remove the entry from series.yaml")
+    base_commit = upstream.ensure(series)
+    if dest.exists() and any(dest.iterdir()):
+        if not replace:
+            raise E2Error(f"{dest} already exists",
+                          hint="export what you changed there (e2 export --from DIR), then "
+                               "pass --force to replace it, or choose another --out")
+        _check_replaceable(project, dest)
+        remove_tree(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with console.status(f"checking out {series.upstream.tag} into {dest}"):
+        repo = clone_worktree(upstream.cache.repo_dir, dest, series.upstream.tag)
+
+    merged = _git_am(repo, project, patches, series)
+    commits = repo.git.rev_list("--reverse", f"{base_commit}..HEAD").split()
+    results = [PatchResult(patch, "merged" if patch.id in merged else "clean", commit)
+               for patch, commit in zip(patches, commits)]
+    _find_offsets(repo, project, results)
+    tree = AppliedTree(dest, repo, series.upstream.tag, base_commit, results)
+    inexact = [r for r in results if r.status != "clean"]
+    if exact and inexact:
+        lines = [f"{r.patch.id} ({r.patch.file}): {r.status}: " + "; ".join(r.notes)
+                 for r in inexact]
+        raise E2Error("patches do not apply exactly on " + series.upstream.tag + ":\n  "
+                      + "\n  ".join(lines),
+                      hint="re-export them from a worktree (e2 apply; e2 export) so their "
+                           "context matches upstream")
+    return tree
+
+
+def _check_replaceable(project: Project, dest: Path) -> None:
+    """--force replaces a worktree only when nothing in it would be lost."""
+    from e2.export import format_patches  # export builds on apply's modules
+
+    repo = open_worktree(dest)
+    require_clean(repo, "--force would delete them")
+    base = worktree_base(repo)
+    exported = read_tree(project.patches_dir, "*.patch")
+    for commit, text in format_patches(repo, f"refs/tags/{base}"):
+        if text not in exported.values():
+            raise E2Error(f"{dest} has commit {commit.hexsha[:12]} ({commit.summary}) that "
+                          "is not in patches/; --force would lose it",
+                          hint=f"export it first: e2 export --from {dest}")
+
+
+def _git_am(repo: git.Repo, project: Project, patches: list[Patch], series: Series) -> set[str]:
+    """Apply ``patches`` with one git am; return the ids that needed a 3-way merge."""
+    if not patches:
+        return set()
+    env = {**os.environ, **COMMITTER_ENV}
+    files = [str(project.patch_path(p)) for p in patches]
+    command = ["git", "am", "--3way", "--committer-date-is-author-date", *files]
+    merged: set[str] = set()
+    current = -1
+    output: list[str] = []
+    with console.progress(count=True) as progress:
+        task = progress.add_task(f"applying {len(patches)} patches", total=len(patches))
+        process = subprocess.Popen(command, cwd=repo.working_tree_dir, env=env, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert process.stdout is not None
+        for line in process.stdout:
+            output.append(line.rstrip("\n"))
+            if line.startswith("Applying: "):
+                current += 1
+                progress.update(task, completed=current,
+                                description=f"applying {patches[current].id}")
+            elif line.startswith("Falling back to patching base and 3-way merge"):
+                merged.add(patches[current].id)
+        returncode = process.wait()
+        progress.update(task, completed=current + 1 if returncode == 0 else current)
+    if returncode != 0:
+        failed = patches[max(current, 0)]
+        repo.git.am("--quit")
+        repo.git.reset("-q", "--hard", "HEAD")
+        applied = [p.id for p in patches[:max(current, 0)]]
+        raise E2Error(describe_failure(repo, project, failed, series, applied, output))
+    return merged
+
+
+def describe_failure(repo: git.Repo, project: Project, patch: Patch, series: Series,
+                     applied: list[str], git_output: list[str]) -> str:
+    """Name the patch, file and hunk that failed, with the upstream lines it expected."""
+    base = series.upstream.tag + (f" + {applied[0]}..{applied[-1]}" if applied else "")
+    head = f"patch {patch.id} ({project.patches_dir.name}/{patch.file}) does not apply on {base}"
+    worktree = Path(repo.working_tree_dir)
+    text = project.patch_path(patch).read_text(encoding="utf-8", errors="replace")
+    for hunk in parse_hunks(text):
+        target = worktree / hunk.path
+        if not hunk.source_lines:
+            if target.exists() and hunk.source_start == 0:
+                return f"{head}\n  file {hunk.path}: the patch creates it, but it already exists"
+            continue
+        if not target.exists():
+            return f"{head}\n  file {hunk.path}: does not exist upstream (hunk {hunk.index} {hunk.header})"
+        lines = target.read_text(encoding="utf-8", errors="replace").splitlines()
+        if _find_block(lines, hunk.source_lines) is not None:
+            continue
+        return head + "\n" + _hunk_mismatch(hunk, lines)
+    git_says = "\n    ".join(line for line in git_output if line.strip())
+    return f"{head}\n  git am said:\n    {git_says}"
+
+
+def _find_block(lines: list[str], block: tuple[str, ...]) -> int | None:
+    size = len(block)
+    for start in range(len(lines) - size + 1):
+        if tuple(lines[start:start + size]) == block:
+            return start
+    return None
+
+
+def _closest_start(lines: list[str], block: tuple[str, ...], hint: int) -> int:
+    """Where upstream looks most like the block (ties go to the patch's own line)."""
+    def score(start: int) -> tuple[int, int]:
+        same = sum(a == b for a, b in zip(lines[start:start + len(block)], block))
+        return same, -abs(start - hint)
+    return max(range(max(len(lines) - len(block) + 1, 1)), key=score)
+
+
+def _hunk_mismatch(hunk: Hunk, lines: list[str]) -> str:
+    start = _closest_start(lines, hunk.source_lines, max(hunk.source_start - 1, 0))
+    found = lines[start:start + len(hunk.source_lines)]
+    diff = difflib.unified_diff(list(hunk.source_lines), found, "patch expects",
+                                f"upstream has (lines {start + 1}-{start + len(found)})",
+                                lineterm="", n=1)
+    return (f"  file {hunk.path}, hunk {hunk.index} {hunk.header}: the upstream lines "
+            f"it expects are not there\n    " + "\n    ".join(diff))
+
+
+def _find_offsets(repo: git.Repo, project: Project, results: list[PatchResult]) -> None:
+    """Mark patches whose hunks landed on other lines than the patch file says."""
+    if not results:
+        return
+    log = stable_git(repo, "log", "--reverse", "--format=%x00%H", "-p", *DIFF_FLAGS,
+                     f"{results[0].commit}~1..{results[-1].commit}")
+    regenerated = {}
+    for chunk in log.split("\x00")[1:]:
+        commit, _, diff = chunk.partition("\n")
+        regenerated[commit.strip()] = diff
+    for result in results:
+        fresh = {(h.path, h.body): h for h in parse_hunks(regenerated.get(result.commit, ""))}
+        original = project.patch_path(result.patch).read_text(encoding="utf-8", errors="replace")
+        for hunk in parse_hunks(original):
+            landed = fresh.get((hunk.path, hunk.body))
+            if landed is not None and landed.source_start != hunk.source_start:
+                delta = landed.source_start - hunk.source_start
+                result.notes.append(f"{hunk.path} hunk {hunk.index} at offset {delta:+d} lines")
+        if result.notes and result.status == "clean":
+            result.status = "offset"
+        if result.status == "merged":
+            result.notes.insert(0, "needed a 3-way merge (context differs from upstream)")
+
+
+# ---------------------------------------------------------------- command
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "apply", help="check out the pinned upstream and apply the series, one commit per patch",
+        description="Check out the pinned upstream release into a worktree (default .e2/work) "
+                    "and apply each patch with git am --3way, one commit per patch. Reports "
+                    "patches that only apply with an offset or a 3-way merge.")
+    parser.add_argument("--through", metavar="ID", help="stop after this patch id")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="worktree directory")
+    parser.add_argument("--exact", action="store_true",
+                        help="refuse patches that need an offset or a 3-way merge")
+    parser.add_argument("--force", action="store_true", help="replace an existing worktree")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    project: Project = args.project
+    series = project.load()
+    dest = (args.out or project.default_worktree).absolute()
+    tree = apply_series(project, series, dest, args.upstream, through=args.through,
+                        exact=args.exact, replace=args.force)
+    for result in tree.results:
+        style = {"clean": "green", "offset": "yellow", "merged": "yellow"}[result.status]
+        console.out.print(f"[{style}]{result.status:6}[/] {result.patch.id} {result.patch.title}")
+        for note in result.notes:
+            console.out.print(f"         {note}", markup=False)
+    console.out.print(f"worktree {dest} (branch e2 on {tree.base_tag}, "
+                      f"{len(tree.results)} patches)", markup=False)
+    return 0

@@ -1,0 +1,53 @@
+"""The ``e2`` command: one sub-command per module (apply, overlay, verify, export, status)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from e2 import apply, console, export, overlay, status, verify
+from e2.apply import UpstreamOptions
+from e2.errors import E2Error
+from e2.series import Project
+from e2.upstream import UpstreamCache
+
+VERBS = (apply, overlay, verify, export, status)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="e2", description="vLLM E2: apply, check and build a patch series on pinned vLLM.")
+    parser.add_argument("--project", type=Path, metavar="DIR",
+                        help="checkout holding series.yaml (default: search upwards from .)")
+    parser.add_argument("--cache", type=Path, metavar="DIR",
+                        help="upstream cache (default $XDG_CACHE_HOME/vllm-e2)")
+    parser.add_argument("--upstream", type=Path, metavar="PATH", dest="upstream_path",
+                        help="use this local tree or sdist tarball as the pinned upstream")
+    parser.add_argument("--source", choices=("auto", "sdist", "git"), default="auto",
+                        help="where to fetch upstream from (default: sdist, else git)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for verb in VERBS:
+        verb.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.project = Project.find(args.project)
+        args.upstream = UpstreamOptions(UpstreamCache(args.cache), args.source,
+                                        args.upstream_path)
+        return args.run(args)
+    except E2Error as exc:
+        console.error(exc.message)
+        if exc.hint:
+            console.err.print(f"hint: {exc.hint}", markup=False, highlight=False)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        console.error("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""e2 export: a worktree's commits back into patches/ and series.yaml.
+
+The reverse of ``e2 apply``: each commit on top of the pinned tag becomes
+``patches/NNNN-slug.patch`` in git's stable format, and series.yaml gets the
+matching entries. Metadata follows a patch by its title (then by position, for
+a retitled patch); a new commit gets an entry whose switch, tests and drop
+condition the author fills in (verify names what is missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+
+from e2 import console
+from e2.errors import E2Error
+from e2.fsio import read_tree, replace_dir, write_atomic
+from e2.gitops import (FORMAT_PATCH_FLAGS, open_worktree, require_clean, stable_git,
+                       worktree_base)
+from e2.series import Patch, Project, Series, dump_series, slugify
+
+
+@dataclass
+class ExportResult:
+    entries: list[dict]
+    new: list[str]
+    dropped: list[str]
+    changed: bool
+
+
+def format_patches(repo: git.Repo, base: str) -> list[tuple[git.Commit, bytes]]:
+    """Each commit in ``base..HEAD`` with its patch text in the stable format."""
+    merges = repo.git.rev_list("--merges", f"{base}..HEAD").split()
+    if merges:
+        raise E2Error(f"{repo.working_tree_dir}: merge commit {merges[0][:12]} on top of "
+                      f"{base}; a series is a straight line of commits",
+                      hint="rebase the branch onto the tag without merges")
+    commits = [repo.commit(sha) for sha in
+               repo.git.rev_list("--reverse", f"{base}..HEAD").split()]
+    if not commits:
+        return []
+    with tempfile.TemporaryDirectory(prefix="e2-export-") as tmp:
+        stable_git(repo, "format-patch", *FORMAT_PATCH_FLAGS, "-o", tmp, f"{base}..HEAD")
+        texts = [p.read_bytes() for p in sorted(Path(tmp).iterdir())]
+    if len(texts) != len(commits):  # format-patch skips empty commits
+        raise E2Error(f"{repo.working_tree_dir}: {len(commits) - len(texts)} commit(s) on "
+                      "the branch change nothing", hint="drop the empty commits")
+    return list(zip(commits, texts))
+
+
+def _placeholder(patch_id: str, title: str, file: str) -> dict:
+    return {"id": patch_id, "file": file, "title": title,
+            "switch": {"name": None, "default": None, "compiled": False, "doc": None},
+            "upstream": [], "drop_when": None, "tests": []}
+
+
+def match_metadata(series: Series, titles: list[str]) -> list[Patch | None]:
+    """The old series entry each new title continues, or None for a new patch."""
+    by_title = {p.title: p for p in series.patches}
+    matched: list[Patch | None] = [by_title.get(t) for t in titles]
+    used = {p.id for p in matched if p}
+    for position, title in enumerate(titles):
+        if matched[position] is None and position < len(series.patches):
+            candidate = series.patches[position]
+            if candidate.id not in used and candidate.title not in titles:
+                matched[position] = candidate  # same slot, new title: a retitled patch
+                used.add(candidate.id)
+    return matched
+
+
+def export_series(project: Project, series: Series, source: Path) -> ExportResult:
+    repo = open_worktree(source)
+    require_clean(repo, "export reads commits only")
+    base = worktree_base(repo)
+    if base != series.upstream.tag:
+        raise E2Error(f"{source} is on {base}, series.yaml pins {series.upstream.tag}",
+                      hint="apply the series again (e2 apply --force) or rebase it")
+    try:
+        repo.git.merge_base("--is-ancestor", f"refs/tags/{base}", "HEAD")
+    except git.GitCommandError:
+        raise E2Error(f"{source}: HEAD does not descend from {base}",
+                      hint="rebase the branch onto the tag") from None
+    formatted = format_patches(repo, f"refs/tags/{base}")
+    titles = [commit.summary for commit, _ in formatted]
+    matched = match_metadata(series, titles)
+
+    entries, contents, new = [], {}, []
+    for number, ((commit, text), old) in enumerate(zip(formatted, matched), start=1):
+        patch_id = f"{number:04d}"
+        file = f"{patch_id}-{slugify(commit.summary)}.patch"
+        contents[file] = text
+        if old is None:
+            entries.append(_placeholder(patch_id, commit.summary, file))
+            new.append(patch_id)
+        else:
+            entry = old.model_dump(mode="json")
+            entry.update(id=patch_id, file=file, title=commit.summary)
+            entries.append(entry)
+    kept = {p.id for p in matched if p}
+    dropped = [f"{p.id} {p.title}" for p in series.patches if p.id not in kept]
+
+    data = series.model_dump(mode="json")
+    data["patches"] = entries
+    text = dump_series(data)
+    changed = (read_tree(project.patches_dir, "*.patch") != contents
+               or project.series_file.read_text(encoding="utf-8") != text)
+    if changed:
+        replace_dir(project.patches_dir, contents)
+        write_atomic(project.series_file, text)
+    return ExportResult(entries, new, dropped, changed)
+
+
+# ---------------------------------------------------------------- command
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export", help="turn a worktree's commits into patches/ and series.yaml",
+        description="Write each commit on top of the pinned tag in the worktree as "
+                    "patches/NNNN-slug.patch (git format-patch --zero-commit "
+                    "--no-signature, fixed abbrev) and update series.yaml. Exporting an "
+                    "unchanged worktree rewrites nothing.")
+    parser.add_argument("--from", dest="source", type=Path, metavar="DIR",
+                        help="worktree made by e2 apply (default .e2/work)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    project: Project = args.project
+    series = project.load()
+    source = (args.source or project.default_worktree).absolute()
+    result = export_series(project, series, source)
+    if not result.changed:
+        console.out.print(f"patches/ and series.yaml already match {source}", markup=False)
+        return 0
+    console.out.print(f"exported {len(result.entries)} patches from {source}", markup=False)
+    for line in result.dropped:
+        console.out.print(f"  dropped {line} (no commit for it any more)", markup=False)
+    if result.new:
+        console.warn("new patches " + ", ".join(result.new) + " need metadata: fill in "
+                     "switch, drop_when and tests in series.yaml, then run e2 verify")
+        return 1
+    return 0

@@ -1,0 +1,68 @@
+"""Writes that never leave half a file or half a directory behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def write_atomic(path: Path, content: str | bytes) -> None:
+    """Replace ``path`` in one rename so a reader never sees half a file."""
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _staging(target: Path) -> tuple[Path, Path]:
+    return target.with_name(f".{target.name}.new"), target.with_name(f".{target.name}.old")
+
+
+def recover_dir(target: Path) -> None:
+    """Finish or undo a ``replace_dir`` that was interrupted."""
+    new, old = _staging(target)
+    if old.exists() and not target.exists():
+        old.rename(target)  # stopped between the two renames: put the old one back
+    for leftover in (new, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+
+
+def replace_dir(target: Path, contents: dict[str, bytes]) -> None:
+    """Make ``target`` hold exactly ``contents``; the old tree survives any failure.
+
+    Everything is written into a staging dir first and swapped in with two
+    renames; ``recover_dir`` repairs the one window between them.
+    """
+    recover_dir(target)
+    new, old = _staging(target)
+    try:
+        for relative, data in sorted(contents.items()):
+            write_file(new / relative, data)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    if target.exists():
+        target.rename(old)
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def read_tree(root: Path, pattern: str = "*") -> dict[str, bytes]:
+    if not root.is_dir():
+        return {}
+    return {str(p.relative_to(root)): p.read_bytes()
+            for p in sorted(root.rglob(pattern)) if p.is_file()}

@@ -1,0 +1,139 @@
+"""Git plumbing shared by the verbs: worktrees, stable diff options, patch parsing."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+from unidiff import PatchSet
+
+from e2.errors import E2Error
+
+# Diff options pinned in every command that writes or compares patches, so the
+# output never depends on the user's git config (abbrev, renames, prefixes).
+STABLE_CONFIG = (
+    "core.abbrev=12",
+    "diff.algorithm=myers",
+    "diff.noprefix=false",
+    "diff.mnemonicPrefix=false",
+    "diff.relative=false",
+    "diff.suppressBlankEmpty=false",
+    "format.signature=",
+    "format.numbered=false",
+    "format.coverLetter=false",
+    "core.quotePath=true",
+    "core.autocrlf=false",
+    "i18n.commitEncoding=UTF-8",
+    "i18n.logOutputEncoding=UTF-8",
+)
+DIFF_FLAGS = ("-M", "--abbrev=12")
+FORMAT_PATCH_FLAGS = ("--zero-commit", "--no-signature", "--no-numbered", "--stat=72",
+                      *DIFF_FLAGS)
+
+# Commits the driver makes (one per patch) get a fixed committer and the
+# author's date, so the same series always yields the same commit ids.
+COMMITTER_ENV = {
+    "GIT_COMMITTER_NAME": "vLLM E2",
+    "GIT_COMMITTER_EMAIL": "e2@vllm-e2.invalid",
+}
+BRANCH = "e2"
+
+
+def stable_git(repo: git.Repo, *args: str, **kwargs) -> str:
+    """Run ``git -c <stable config> args`` through gitpython's wrapper."""
+    command = ["git"]
+    for item in STABLE_CONFIG:
+        command += ["-c", item]
+    return repo.git.execute([*command, *args], **kwargs)
+
+
+def clone_worktree(cache_repo: Path, dest: Path, tag: str) -> git.Repo:
+    """A working clone at ``tag`` on branch ``e2`` (objects shared with the cache)."""
+    repo = git.Repo.clone_from(str(cache_repo), str(dest), shared=True, no_checkout=True,
+                               quiet=True)
+    repo.git.checkout("-q", "-b", BRANCH, f"refs/tags/{tag}")
+    repo.git.config("rerere.enabled", "true")
+    repo.git.config("e2.base", tag)
+    return repo
+
+
+def open_worktree(path: Path) -> git.Repo:
+    if not path.exists():
+        raise E2Error(f"no worktree at {path}", hint="create one with: e2 apply")
+    try:
+        repo = git.Repo(path)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        raise E2Error(f"{path} is not a git worktree made by e2 apply",
+                      hint="create one with: e2 apply --out DIR") from None
+    if repo.working_tree_dir is None or Path(repo.working_tree_dir).resolve() != path.resolve():
+        raise E2Error(f"{path} is inside another repository, not an e2 worktree",
+                      hint="create one with: e2 apply --out DIR")
+    return repo
+
+
+def worktree_base(repo: git.Repo) -> str:
+    try:
+        return repo.git.config("e2.base")
+    except git.GitCommandError:
+        raise E2Error(f"{repo.working_tree_dir} was not made by e2 apply (no e2.base)",
+                      hint="create one with: e2 apply --out DIR") from None
+
+
+def am_in_progress(repo: git.Repo) -> bool:
+    return Path(repo.git_dir, "rebase-apply").exists()
+
+
+def require_clean(repo: git.Repo, why: str) -> None:
+    if am_in_progress(repo):
+        raise E2Error(f"{repo.working_tree_dir}: a git am is in progress",
+                      hint="finish it (git am --continue) or drop it (git am --abort) first")
+    if repo.is_dirty(untracked_files=True):
+        changed = repo.git.status("--porcelain").splitlines()[:10]
+        raise E2Error(f"{repo.working_tree_dir} has uncommitted changes ({why}):\n  "
+                      + "\n  ".join(changed),
+                      hint="commit them (one commit per patch) or stash them")
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=False)
+
+
+@dataclass(frozen=True)
+class Hunk:
+    path: str
+    index: int           # 1-based within its file
+    source_start: int
+    source_length: int
+    header: str
+    source_lines: tuple[str, ...]   # context and removed lines, as upstream must have them
+    body: tuple[str, ...]           # every line with its +/-/space marker
+
+
+def parse_hunks(patch_text: str) -> list[Hunk]:
+    """Every hunk of a patch (mail headers and diffstat are skipped)."""
+    hunks: list[Hunk] = []
+    for patched_file in PatchSet(patch_text):
+        path = patched_file.path
+        for number, hunk in enumerate(patched_file, start=1):
+            source = tuple(line.value.rstrip("\n") for line in hunk
+                           if line.is_context or line.is_removed)
+            body = tuple(str(line).rstrip("\n") for line in hunk)
+            header = f"@@ -{hunk.source_start},{hunk.source_length} " \
+                     f"+{hunk.target_start},{hunk.target_length} @@"
+            hunks.append(Hunk(path, number, hunk.source_start, hunk.source_length,
+                              header, source, body))
+    return hunks
+
+
+def touched_files(patch_text: str) -> list[tuple[str, str]]:
+    """(path, kind) for each file a patch touches; kind is added/removed/modified."""
+    result = []
+    for patched_file in PatchSet(patch_text):
+        kind = ("added" if patched_file.is_added_file else
+                "removed" if patched_file.is_removed_file else "modified")
+        result.append((patched_file.path, kind))
+        if patched_file.is_rename:
+            result.append((patched_file.source_file.removeprefix("a/"), "removed"))
+    return result

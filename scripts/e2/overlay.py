@@ -1,0 +1,228 @@
+"""e2 overlay: the files of the ``vllm`` package that the series adds or changes.
+
+``overlay/`` is laid over the vllm package of the base image (and of the CPU
+test env). It holds every changed file under ``vllm/``, the generated
+``vllm/e2_series.json`` the engine reports at boot, and ``MANIFEST.json``
+with the upstream hash of every file it replaces, so that consumers can
+refuse a base that carries another vLLM release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+
+from e2 import console
+from e2.apply import AppliedTree, UpstreamOptions, apply_series
+from e2.errors import E2Error
+from e2.fsio import read_tree, recover_dir, replace_dir
+from e2.series import Project, Series, series_digest
+
+PACKAGE = "vllm"
+MANIFEST = "MANIFEST.json"
+SERIES_INFO = f"{PACKAGE}/e2_series.json"
+MANIFEST_FORMAT = 1
+
+# What an overlay of Python files cannot carry: anything compiled into the
+# wheel's extension modules or deciding what gets built and installed.
+COMPILED_PATTERNS = (
+    "csrc/*", "cmake/*", "rust/*", "CMakeLists.txt", "setup.py", "pyproject.toml",
+    "requirements/*", "*.cu", "*.cuh", "*.cpp", "*.cc", "*.c", "*.h", "*.hpp",
+    "*.so", "*.pyd", "*.pyx", "*.pxd", "*.rs",
+)
+
+
+@dataclass(frozen=True)
+class OverlayFile:
+    path: str                 # relative to the directory holding the vllm package
+    data: bytes
+    upstream_sha256: str | None
+    patches: tuple[str, ...]
+    generated: bool = False
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Deletion:
+    path: str
+    upstream_sha256: str
+    patches: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OverlayPlan:
+    files: tuple[OverlayFile, ...]
+    deleted: tuple[Deletion, ...]
+    manifest: dict
+
+    def contents(self) -> dict[str, bytes]:
+        """Every file of overlay/ by relative path, MANIFEST.json included."""
+        out = {f.path: f.data for f in self.files}
+        out[MANIFEST] = (json.dumps(self.manifest, indent=2, sort_keys=True) + "\n").encode()
+        return out
+
+
+def compiled_reason(path: str) -> str | None:
+    for pattern in COMPILED_PATTERNS:
+        if fnmatch.fnmatch(path, pattern) or fnmatch.fnmatch(Path(path).name, pattern):
+            return pattern
+    return None
+
+
+def plan_overlay(series: Series, project: Project, tree: AppliedTree) -> OverlayPlan:
+    repo = tree.repo
+    patch_of_commit = {r.commit: r.patch.id for r in tree.results}
+    touched: dict[str, list[str]] = {}
+    status: dict[str, str] = {}
+    log = repo.git.log("--reverse", "--no-renames", "--format=%x00%H", "--name-status",
+                       f"{tree.base_commit}..HEAD")
+    for chunk in log.split("\x00")[1:]:
+        commit, *entries = chunk.strip().splitlines()
+        for entry in filter(None, entries):
+            kind, path = entry.split("\t", 1)
+            touched.setdefault(path, []).append(patch_of_commit[commit])
+    refused = [(path, ids, reason) for path, ids in touched.items()
+               if (reason := compiled_reason(path))]
+    if refused:
+        lines = [f"{path} (patch {', '.join(dict.fromkeys(ids))}; matches {reason})"
+                 for path, ids, reason in refused]
+        raise E2Error("the series changes compiled or build sources, which an overlay of "
+                      "Python files cannot carry (the base image's extensions and "
+                      "dependencies stay as built):\n  " + "\n  ".join(lines),
+                      hint="express the change in Python under vllm/, or build a full "
+                           "wheel instead of an overlay")
+    for entry in repo.git.diff("--no-renames", "--name-status", tree.base_commit, "HEAD",
+                               "--", PACKAGE).splitlines():
+        kind, path = entry.split("\t", 1)
+        status[path] = kind
+    base = repo.commit(tree.base_commit).tree
+    head = repo.head.commit.tree
+    files, deleted = [], []
+    for path in sorted(status):
+        ids = tuple(dict.fromkeys(touched.get(path, [])))
+        upstream_sha = _blob_sha256(base, path)
+        if status[path] == "D":
+            deleted.append(Deletion(path, upstream_sha or "", ids))
+        else:
+            files.append(OverlayFile(path, head[path].data_stream.read(), upstream_sha, ids))
+    digest = series_digest(series, project.patches_dir)
+    files.append(_series_info(series, digest))
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "upstream": {"project": series.upstream.project, "version": series.upstream.version,
+                     "tag": series.upstream.tag, "sdist_sha256": series.upstream.sdist_sha256},
+        "series_digest": digest,
+        "patches": [r.patch.id for r in tree.results],
+        "files": [{"path": f.path, "sha256": f.sha256, "upstream_sha256": f.upstream_sha256,
+                   "patches": list(f.patches), "generated": f.generated} for f in files],
+        "deleted": [{"path": d.path, "upstream_sha256": d.upstream_sha256,
+                     "patches": list(d.patches)} for d in deleted],
+    }
+    return OverlayPlan(tuple(files), tuple(deleted), manifest)
+
+
+def _blob_sha256(tree: git.Tree, path: str) -> str | None:
+    try:
+        blob = tree[path]
+    except KeyError:
+        return None
+    return hashlib.sha256(blob.data_stream.read()).hexdigest()
+
+
+def _series_info(series: Series, digest: str) -> OverlayFile:
+    info = {
+        "series_digest": digest,
+        "upstream_version": series.upstream.version,
+        "patches": [{"id": p.id, "title": p.title, "switch": p.switch.name,
+                     "default": p.switch.default} for p in series.patches],
+    }
+    data = (json.dumps(info, indent=2, sort_keys=True) + "\n").encode()
+    return OverlayFile(SERIES_INFO, data, None, (), generated=True)
+
+
+# ---------------------------------------------------------------- disk
+
+
+def write_overlay(project: Project, plan: OverlayPlan) -> None:
+    replace_dir(project.overlay_dir, plan.contents())
+
+
+def overlay_drift(project: Project, plan: OverlayPlan) -> list[str]:
+    """What differs between overlay/ on disk and what the series generates."""
+    want, have = plan.contents(), read_tree(project.overlay_dir)
+    drift = [f"missing: overlay/{p}" for p in sorted(want.keys() - have.keys())]
+    drift += [f"extra: overlay/{p}" for p in sorted(have.keys() - want.keys())]
+    drift += [f"differs: overlay/{p}" for p in sorted(want.keys() & have.keys())
+              if want[p] != have[p]]
+    return drift
+
+
+def load_manifest(project: Project) -> dict | None:
+    path = project.overlay_dir / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise E2Error(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}",
+                      hint="regenerate it with: e2 overlay") from None
+
+
+# ---------------------------------------------------------------- scratch trees
+
+
+class ScratchTree:
+    """The series applied exactly into a temporary worktree, removed afterwards."""
+
+    def __init__(self, project: Project, series: Series, upstream: UpstreamOptions):
+        self.project, self.series, self.upstream = project, series, upstream
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def __enter__(self) -> AppliedTree:
+        self.project.state_dir.mkdir(parents=True, exist_ok=True)
+        self._tmp = tempfile.TemporaryDirectory(dir=self.project.state_dir, prefix="scratch-")
+        return apply_series(self.project, self.series, Path(self._tmp.name) / "tree",
+                            self.upstream, exact=True)
+
+    def __exit__(self, *exc_info) -> None:
+        assert self._tmp is not None
+        self._tmp.cleanup()
+
+
+# ---------------------------------------------------------------- command
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "overlay", help="write overlay/: the vllm package files the series adds or changes",
+        description="Apply the series exactly in a scratch tree and write overlay/ (every "
+                    "changed file under vllm/, vllm/e2_series.json and MANIFEST.json). "
+                    "The old overlay stays intact until the new one is complete.")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    project: Project = args.project
+    series = project.load()
+    recover_dir(project.overlay_dir)
+    with ScratchTree(project, series, args.upstream) as tree:
+        plan = plan_overlay(series, project, tree)
+    drift = overlay_drift(project, plan)
+    if not drift:
+        console.out.print(f"overlay/ already up to date ({len(plan.files)} files)", markup=False)
+        return 0
+    write_overlay(project, plan)
+    console.out.print(f"overlay/ written: {len(plan.files)} files, {len(plan.deleted)} "
+                      f"deletions, series {plan.manifest['series_digest'][:12]}", markup=False)
+    return 0
+

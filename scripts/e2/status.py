@@ -1,0 +1,87 @@
+"""e2 status: what the series pins and whether its generated files are in sync.
+
+Cheap by design (no apply): it compares digests and file lists only; e2 verify
+is the full check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.table import Table
+
+from e2 import console
+from e2.errors import E2Error
+from e2.fsio import read_tree
+from e2.overlay import load_manifest
+from e2.series import Project, Series, series_digest
+
+
+def collect(project: Project, series: Series, cache) -> dict:
+    problems: list[str] = []
+    listed = {p.file for p in series.patches}
+    on_disk = {p.name for p in project.patches_dir.glob("*.patch")}
+    problems += [f"patches/{f} missing" for f in sorted(listed - on_disk)]
+    problems += [f"patches/{f} not in series.yaml" for f in sorted(on_disk - listed)]
+    digest = None
+    if not problems:
+        digest = series_digest(series, project.patches_dir)
+    try:
+        manifest = load_manifest(project)
+    except E2Error as exc:
+        manifest, problems = None, problems + [exc.message]
+    overlay_files = [p for p in read_tree(project.overlay_dir) if p != "MANIFEST.json"]
+    if manifest is None:
+        problems.append("overlay/ has no MANIFEST.json (run e2 overlay)")
+    elif digest and manifest.get("series_digest") != digest:
+        problems.append("overlay/ was built from another series (run e2 overlay)")
+    return {
+        "upstream": series.upstream.model_dump(mode="json"),
+        "upstream_cached": cache.tag_commit(series.upstream.tag) is not None,
+        "image": series.image.model_dump(mode="json"),
+        "series_digest": digest,
+        "patches": [{"id": p.id, "title": p.title, "file": p.file, "switch": p.switch.name,
+                     "default": p.switch.default, "compiled": p.switch.compiled}
+                    for p in series.patches],
+        "overlay_files": len(overlay_files),
+        "in_sync": not problems,
+        "problems": problems,
+    }
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "status", help="the pinned upstream, each patch and switch, and whether all is in sync")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    project: Project = args.project
+    series = project.load()
+    state = collect(project, series, args.upstream.cache)
+    if args.json:
+        print(json.dumps(state, indent=2, sort_keys=True))
+        return 0 if state["in_sync"] else 1
+    up = series.upstream
+    console.out.print(f"upstream  {up.project} {up.version} ({up.tag}), sdist sha256 "
+                      f"{up.sdist_sha256[:12]}, "
+                      + ("cached" if state["upstream_cached"] else "not fetched yet"),
+                      markup=False)
+    digest = series.image.digest or "unpinned"
+    console.out.print(f"base      {series.image.base} ({digest}), vllm in "
+                      f"{series.image.site_packages}", markup=False)
+    console.out.print(f"series    {state['series_digest'] or '?'}", markup=False)
+    table = Table("id", "switch", "default", "compiled", "title", box=None, pad_edge=False)
+    for patch in state["patches"]:
+        table.add_row(patch["id"], patch["switch"], patch["default"],
+                      "yes" if patch["compiled"] else "no", patch["title"])
+    console.out.print(table)
+    console.out.print(f"overlay   {state['overlay_files']} files", markup=False)
+    if state["in_sync"]:
+        console.out.print("[green]in sync[/]")
+        return 0
+    for problem in state["problems"]:
+        console.out.print(f"[red]out of sync:[/] {problem}")
+    return 1

@@ -1,0 +1,161 @@
+"""e2 verify: is the series whole, exact, and are the generated files in sync?"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from e2 import console
+from e2.apply import AppliedTree
+from e2.errors import E2Error
+from e2.overlay import PACKAGE, ScratchTree, overlay_drift, plan_overlay
+from e2.series import Project, Series
+
+SWITCH_TOKEN = re.compile(rb"\bVLLM_E2_[A-Z0-9_]+\b")
+REGISTRY_FILE = f"{PACKAGE}/envs.py"
+
+
+@dataclass
+class Check:
+    name: str
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_ids(series: Series) -> Check:
+    check = Check("patch ids unique and contiguous")
+    ids = [p.id for p in series.patches]
+    for duplicate in sorted({i for i in ids if ids.count(i) > 1}):
+        check.problems.append(f"id {duplicate} is used twice in series.yaml; give each "
+                              "patch its own id")
+    expected = [f"{n:04d}" for n in range(1, len(ids) + 1)]
+    if not check.problems and ids != expected:
+        check.problems.append(f"ids are {', '.join(ids)}; expected {', '.join(expected)} "
+                              "(renumber in series.yaml, or re-export with e2 export)")
+    for patch in series.patches:
+        if not patch.file.startswith(patch.id + "-"):
+            check.problems.append(f"{patch.id}: file {patch.file} should start with "
+                                  f"'{patch.id}-'")
+    switches = [p.switch.name for p in series.patches]
+    for name in sorted({s for s in switches if switches.count(s) > 1}):
+        check.problems.append(f"switch {name} is declared by more than one patch")
+    return check
+
+
+def check_patch_files(project: Project, series: Series) -> Check:
+    check = Check("series.yaml and patches/ agree")
+    listed = {p.file for p in series.patches}
+    for patch in series.patches:
+        if not project.patch_path(patch).is_file():
+            check.problems.append(f"{patch.id}: patches/{patch.file} is missing; restore it "
+                                  "or remove the entry from series.yaml")
+    on_disk = {p.name for p in project.patches_dir.glob("*.patch")}
+    for name in sorted(on_disk - listed):
+        check.problems.append(f"patches/{name} is not listed in series.yaml; add an entry "
+                              "or delete the file")
+    return check
+
+
+def scan_switch_reads(tree: Path) -> dict[str, set[str]]:
+    """Each VLLM_E2_* name found in the patched vllm/ tree, with the files naming it."""
+    found: dict[str, set[str]] = {}
+    for path in (tree / PACKAGE).rglob("*.py"):
+        data = path.read_bytes()
+        if b"VLLM_E2_" not in data:
+            continue
+        for token in SWITCH_TOKEN.findall(data):
+            found.setdefault(token.decode(), set()).add(str(path.relative_to(tree)))
+    return found
+
+
+def check_switch_reads(series: Series, tree: AppliedTree) -> Check:
+    check = Check("every switch is read, every read switch is declared")
+    reads = scan_switch_reads(tree.path)
+    declared = {p.switch.name: p.id for p in series.patches}
+    for name, patch_id in declared.items():
+        sites = reads.get(name, set()) - {REGISTRY_FILE}
+        if not sites:
+            check.problems.append(f"{patch_id}: switch {name} is never read in the patched "
+                                  f"{PACKAGE}/ tree (outside the registry in {REGISTRY_FILE}); "
+                                  "read it where the feature branches, or fix the name")
+    for name in sorted(reads.keys() - declared.keys()):
+        files = ", ".join(sorted(reads[name]))
+        check.problems.append(f"{name} is read in {files} but no patch declares it; add it "
+                              "to that patch's switch in series.yaml")
+    return check
+
+
+def check_tests_exist(series: Series, tree: AppliedTree) -> Check:
+    check = Check("declared tests exist in the patched tree")
+    for patch in series.patches:
+        for node in patch.tests:
+            path = node.split("::", 1)[0]
+            if not (tree.path / path).exists():
+                check.problems.append(f"{patch.id}: test {node} does not exist in the patched "
+                                      "tree; fix the path in series.yaml")
+    return check
+
+
+def check_overlay(project: Project, series: Series, tree: AppliedTree) -> Check:
+    check = Check("overlay/ equals what the series generates")
+    drift = overlay_drift(project, plan_overlay(series, project, tree))
+    check.problems += [f"{line} (run e2 overlay)" for line in drift[:20]]
+    if len(drift) > 20:
+        check.problems.append(f"... and {len(drift) - 20} more (run e2 overlay)")
+    return check
+
+
+# Checks of generated artifacts beyond overlay/ (the Dockerfile) register here.
+TreeCheck = Callable[[Project, Series, AppliedTree], Check]
+EXTRA_TREE_CHECKS: list[TreeCheck] = []
+
+
+def verify(project: Project, series: Series, upstream) -> list[Check]:
+    checks = [Check("series.yaml matches the schema"), check_ids(series),
+              check_patch_files(project, series)]
+    if not all(c.ok for c in checks):
+        return checks  # applying a series whose files disagree would only add noise
+    applies = Check("every patch applies exactly")
+    checks.append(applies)
+    try:
+        with ScratchTree(project, series, upstream) as tree:
+            checks.append(check_switch_reads(series, tree))
+            checks.append(check_tests_exist(series, tree))
+            checks.append(check_overlay(project, series, tree))
+            checks += [extra(project, series, tree) for extra in EXTRA_TREE_CHECKS]
+    except E2Error as exc:
+        applies.problems.append(str(exc))
+    return checks
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "verify", help="check the series is whole, applies exactly and matches overlay/",
+        description="Schema, ids, series.yaml vs patches/, exact apply of every patch, "
+                    "switch read sites, declared tests, and overlay/ (and Dockerfile) equal "
+                    "to what the series generates.")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    project: Project = args.project
+    series = project.load()  # schema errors raise with file:line:column
+    failed = 0
+    for check in verify(project, series, args.upstream):
+        mark = "[green]ok[/]  " if check.ok else "[red]FAIL[/]"
+        console.out.print(f"{mark} {check.name}")
+        for problem in check.problems:
+            console.out.print("     " + problem.replace("\n", "\n     "), markup=False)
+        failed += not check.ok
+    if failed:
+        console.error(f"{failed} check(s) failed")
+        return 1
+    console.out.print(f"series verified: {len(series.patches)} patches on "
+                      f"{series.upstream.tag}", markup=False)
+    return 0
