@@ -16,7 +16,8 @@ from e2 import console
 from e2.errors import E2Error
 from e2.fsio import read_tree
 from e2.gitops import (COMMITTER_ENV, DIFF_FLAGS, Hunk, clone_worktree, open_worktree,
-                       parse_hunks, remove_tree, require_clean, stable_git, worktree_base)
+                       parse_hunks, remove_tree, require_clean, stable_git, touched_files,
+                       worktree_base)
 from e2.series import Patch, Project, Series
 from e2.upstream import UpstreamCache
 
@@ -73,7 +74,8 @@ def select_patches(series: Series, through: str | None) -> list[Patch]:
 
 def apply_series(project: Project, series: Series, dest: Path, upstream: UpstreamOptions,
                  through: str | None = None, exact: bool = False,
-                 replace: bool = False) -> AppliedTree:
+                 replace: bool = False, sparse: bool = False) -> AppliedTree:
+    """Apply the series into ``dest``; ``sparse`` checks out only the files it touches."""
     patches = select_patches(series, through)
     for patch in patches:
         if not project.patch_path(patch).is_file():
@@ -90,7 +92,8 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
         remove_tree(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with console.status(f"checking out {series.upstream.tag} into {dest}"):
-        repo = clone_worktree(upstream.cache.repo_dir, dest, series.upstream.tag)
+        repo = clone_worktree(upstream.cache.repo_dir, dest, series.upstream.tag,
+                              _touched_paths(project, patches) if sparse else None)
 
     merged = _git_am(repo, project, patches, series)
     commits = repo.git.rev_list("--reverse", f"{base_commit}..HEAD").split()
@@ -107,6 +110,14 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
                       hint="re-export them from a worktree (e2 apply; e2 export) so their "
                            "context matches upstream")
     return tree
+
+
+def _touched_paths(project: Project, patches: list[Patch]) -> list[str]:
+    paths: dict[str, None] = {}
+    for patch in patches:
+        text = project.patch_path(patch).read_text(encoding="utf-8", errors="replace")
+        paths.update((path, None) for path, _ in touched_files(text))
+    return list(paths)
 
 
 def _check_replaceable(project: Project, dest: Path) -> None:

@@ -182,7 +182,11 @@ def load_manifest(project: Project) -> dict | None:
 
 
 class ScratchTree:
-    """The series applied exactly into a temporary worktree, removed afterwards."""
+    """The series applied exactly into a temporary worktree, removed afterwards.
+
+    Only the files the patches touch are checked out; read everything else
+    from the commits (``tree.repo``), never from the working directory.
+    """
 
     def __init__(self, project: Project, series: Series, upstream: UpstreamOptions):
         self.project, self.series, self.upstream = project, series, upstream
@@ -192,7 +196,7 @@ class ScratchTree:
         self.project.state_dir.mkdir(parents=True, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(dir=self.project.state_dir, prefix="scratch-")
         return apply_series(self.project, self.series, Path(self._tmp.name) / "tree",
-                            self.upstream, exact=True)
+                            self.upstream, exact=True, sparse=True)
 
     def __exit__(self, *exc_info) -> None:
         assert self._tmp is not None

@@ -206,7 +206,7 @@ def _compose_with_marks(text: str, path: Path) -> tuple[Any, dict[tuple, tuple[i
     constructor = yaml.SafeLoader("")
 
     def walk(node: yaml.Node, key_path: tuple) -> Any:
-        marks[key_path] = (node.start_mark.line + 1, node.start_mark.column + 1)
+        marks.setdefault(key_path, (node.start_mark.line + 1, node.start_mark.column + 1))
         if isinstance(node, yaml.MappingNode):
             result = {}
             for key_node, value_node in node.value:
@@ -314,4 +314,7 @@ def series_digest(series: Series, patches_dir: Path) -> str:
 def slugify(title: str, limit: int = 52) -> str:
     """The file-name slug git format-patch would derive from a subject."""
     slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
-    return slug[:limit].rstrip("-") or "patch"
+    if len(slug) > limit:
+        cut = slug[:limit + 1]
+        slug = cut[:cut.rfind("-")] if "-" in cut else slug[:limit]
+    return slug or "patch"

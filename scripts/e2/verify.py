@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
+
+import git
 
 from e2 import console
 from e2.apply import AppliedTree
@@ -14,7 +14,6 @@ from e2.errors import E2Error
 from e2.overlay import PACKAGE, ScratchTree, overlay_drift, plan_overlay
 from e2.series import Project, Series
 
-SWITCH_TOKEN = re.compile(rb"\bVLLM_E2_[A-Z0-9_]+\b")
 REGISTRY_FILE = f"{PACKAGE}/envs.py"
 
 
@@ -62,21 +61,25 @@ def check_patch_files(project: Project, series: Series) -> Check:
     return check
 
 
-def scan_switch_reads(tree: Path) -> dict[str, set[str]]:
-    """Each VLLM_E2_* name found in the patched vllm/ tree, with the files naming it."""
+def scan_switch_reads(repo: git.Repo) -> dict[str, set[str]]:
+    """Each VLLM_E2_* name in the patched vllm/ tree (HEAD), with the files naming it."""
+    try:
+        hits = repo.git.grep("-o", "-I", "-E", r"\bVLLM_E2_[A-Z0-9_]+\b", "HEAD", "--",
+                             f"{PACKAGE}/")
+    except git.GitCommandError as exc:
+        if exc.status == 1:  # git grep: no match
+            return {}
+        raise
     found: dict[str, set[str]] = {}
-    for path in (tree / PACKAGE).rglob("*.py"):
-        data = path.read_bytes()
-        if b"VLLM_E2_" not in data:
-            continue
-        for token in SWITCH_TOKEN.findall(data):
-            found.setdefault(token.decode(), set()).add(str(path.relative_to(tree)))
+    for line in hits.splitlines():
+        _, path, name = line.split(":", 2)
+        found.setdefault(name, set()).add(path)
     return found
 
 
 def check_switch_reads(series: Series, tree: AppliedTree) -> Check:
     check = Check("every switch is read, every read switch is declared")
-    reads = scan_switch_reads(tree.path)
+    reads = scan_switch_reads(tree.repo)
     declared = {p.switch.name: p.id for p in series.patches}
     for name, patch_id in declared.items():
         sites = reads.get(name, set()) - {REGISTRY_FILE}
@@ -93,10 +96,13 @@ def check_switch_reads(series: Series, tree: AppliedTree) -> Check:
 
 def check_tests_exist(series: Series, tree: AppliedTree) -> Check:
     check = Check("declared tests exist in the patched tree")
+    head = tree.repo.head.commit.tree
     for patch in series.patches:
         for node in patch.tests:
-            path = node.split("::", 1)[0]
-            if not (tree.path / path).exists():
+            path = node.split("::", 1)[0].rstrip("/")
+            try:
+                head[path]
+            except KeyError:
                 check.problems.append(f"{patch.id}: test {node} does not exist in the patched "
                                       "tree; fix the path in series.yaml")
     return check
