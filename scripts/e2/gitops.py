@@ -56,15 +56,19 @@ def clone_worktree(cache_repo: Path, dest: Path, tag: str,
     ``sparse_paths`` checks out only those files: enough for git am when they
     are the files the patches touch, and far cheaper than the whole tree.
     """
+    # e2.base records the release the branch sits on; rerere replays resolutions
+    # recorded once; parallel checkout halves the time to write the ~7,400 files.
+    config = [f"e2.base={tag}", "rerere.enabled=true", "checkout.workers=0"]
+    # allow_unsafe_options: gitpython guards --config against injected values;
+    # these are the driver's own constants
     repo = git.Repo.clone_from(str(cache_repo), str(dest), shared=True, no_checkout=True,
-                               quiet=True)
+                               quiet=True, multi_options=[f"--config={c}" for c in config],
+                               allow_unsafe_options=True)
     if sparse_paths is not None:
         # the never-matching first pattern keeps an empty list from meaning "everything"
         repo.git.sparse_checkout("set", "--no-cone", "/.e2-none",
                                  *(f"/{path}" for path in sparse_paths))
     repo.git.checkout("-q", "-b", BRANCH, f"refs/tags/{tag}")
-    repo.git.config("rerere.enabled", "true")
-    repo.git.config("e2.base", tag)
     return repo
 
 

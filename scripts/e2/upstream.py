@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import git
-import requests
 from filelock import FileLock
 
 from e2 import console
@@ -75,6 +74,8 @@ class SdistFile:
 
 
 def find_sdist(project: str, version: str, index: str | None = None) -> SdistFile:
+    import requests  # only the paths that reach the index pay for importing it
+
     index = index or index_url()
     page = f"{index}/{project}/"
     try:
@@ -102,6 +103,8 @@ def sha256_file(path: Path) -> str:
 
 def download(url: str, dest: Path, expected_sha256: str) -> Path:
     """Stream ``url`` to ``dest``; the file only appears once its hash matches."""
+    import requests
+
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_suffix(dest.suffix + ".part")
     digest = hashlib.sha256()

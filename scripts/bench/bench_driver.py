@@ -1,0 +1,71 @@
+"""Benchmarks: e2 apply against raw git am, and e2 verify, on a 20-patch series.
+
+Run: python scripts/bench/bench_driver.py [--repeat N]
+
+Both sides run as commands in the same run, on the same base, from the same
+upstream cache: the baseline is what a person would type by hand (a shared
+clone at the tag, then `git am --3way` of the 20 patches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from series20 import build  # noqa: E402
+
+from e2.upstream import UpstreamCache  # noqa: E402
+
+APPLY_TARGET = 1.2
+VERIFY_TARGET_S = 15.0
+
+
+def timed(command: list[str], cwd: Path) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, cwd=cwd, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="e2-bench-") as tmp:
+        root = build(Path(tmp) / "project")
+        patches = sorted(str(p) for p in (root / "patches").glob("*.patch"))
+        cache = UpstreamCache().repo_dir
+        e2_times, git_times = [], []
+        for round_ in range(args.repeat):
+            out = Path(tmp) / f"e2-{round_}"
+            e2_times.append(timed(["e2", "apply", "--out", str(out)], root))
+            base = Path(tmp) / f"git-{round_}"
+            start = time.perf_counter()
+            subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", str(cache),
+                            str(base)], check=True)
+            subprocess.run(["git", "checkout", "-q", "-b", "e2", "refs/tags/v0.31.0"],
+                           cwd=base, check=True)
+            subprocess.run(["git", "-c", "user.name=b", "-c", "user.email=b@b", "am", "-q",
+                            "--3way", *patches], cwd=base, check=True)
+            git_times.append(time.perf_counter() - start)
+        verify_times = [timed(["e2", "verify"], root) for _ in range(args.repeat)]
+    e2_apply, git_am = statistics.median(e2_times), statistics.median(git_times)
+    ratio = e2_apply / git_am
+    verify = statistics.median(verify_times)
+    print(f"20-patch series, median of {args.repeat} runs")
+    print(f"  git clone+checkout+am --3way  {git_am:6.2f} s   (baseline)")
+    print(f"  e2 apply                      {e2_apply:6.2f} s   ratio {ratio:.2f} "
+          f"(target <= {APPLY_TARGET})")
+    print(f"  e2 verify                     {verify:6.2f} s   (target < {VERIFY_TARGET_S:.0f} s)")
+    ok = ratio <= APPLY_TARGET and verify < VERIFY_TARGET_S
+    print("PASS" if ok else "OVER TARGET")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
