@@ -1,15 +1,18 @@
-"""Benchmarks: e2 apply against raw git am, and e2 verify, on a 20-patch series.
+"""Benchmarks: e2 apply vs git am, e2 verify, e2 rebase vs git rebase (20 patches).
 
 Run: python scripts/bench/bench_driver.py [--repeat N]
 
 Both sides run as commands in the same run, on the same base, from the same
-upstream cache: the baseline is what a person would type by hand (a shared
-clone at the tag, then `git am --3way` of the 20 patches).
+upstream cache. The baselines are what a person would type by hand: a shared
+clone at the tag and `git am --3way` of the 20 patches; for the rebase, a
+shared clone holding the series and `git rebase --onto` the new release (no
+report, no checks, no regenerated files).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,6 +27,8 @@ from e2.upstream import UpstreamCache  # noqa: E402
 
 APPLY_TARGET = 1.2
 VERIFY_TARGET_S = 15.0
+REBASE_TARGET = 1.5
+REBASE_ONTO = "0.32.0"
 
 
 def timed(command: list[str], cwd: Path) -> float:
@@ -54,6 +59,24 @@ def main() -> int:
                             "--3way", *patches], cwd=base, check=True)
             git_times.append(time.perf_counter() - start)
         verify_times = [timed(["e2", "verify"], root) for _ in range(args.repeat)]
+        rebase_times, git_rebase_times = [], []
+        subprocess.run(["e2", "apply", "--out", str(Path(tmp) / "series")], cwd=root,
+                       check=True, capture_output=True)
+        for round_ in range(args.repeat):
+            copy = Path(tmp) / f"rebase-{round_}"
+            shutil.copytree(root, copy, ignore=shutil.ignore_patterns(".e2"))
+            rebase_times.append(timed(["e2", "rebase", "--onto", REBASE_ONTO], copy))
+            base = Path(tmp) / f"git-rebase-{round_}"
+            start = time.perf_counter()
+            subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", str(cache),
+                            str(base)], check=True)
+            subprocess.run(["git", "fetch", "-q", str(Path(tmp) / "series"), "e2:series"],
+                           cwd=base, check=True)
+            subprocess.run(["git", "checkout", "-q", "series"], cwd=base, check=True)
+            subprocess.run(["git", "-c", "user.name=b", "-c", "user.email=b@b", "rebase", "-q",
+                            "--onto", f"refs/tags/v{REBASE_ONTO}", "refs/tags/v0.31.0"],
+                           cwd=base, check=True, capture_output=True)
+            git_rebase_times.append(time.perf_counter() - start)
     e2_apply, git_am = statistics.median(e2_times), statistics.median(git_times)
     ratio = e2_apply / git_am
     verify = statistics.median(verify_times)
@@ -62,7 +85,12 @@ def main() -> int:
     print(f"  e2 apply                      {e2_apply:6.2f} s   ratio {ratio:.2f} "
           f"(target <= {APPLY_TARGET})")
     print(f"  e2 verify                     {verify:6.2f} s   (target < {VERIFY_TARGET_S:.0f} s)")
-    ok = ratio <= APPLY_TARGET and verify < VERIFY_TARGET_S
+    e2_rebase, git_rebase = statistics.median(rebase_times), statistics.median(git_rebase_times)
+    rebase_ratio = e2_rebase / git_rebase
+    print(f"  git clone+checkout+rebase     {git_rebase:6.2f} s   (baseline, onto {REBASE_ONTO})")
+    print(f"  e2 rebase (report included)   {e2_rebase:6.2f} s   ratio {rebase_ratio:.2f} "
+          f"(target <= {REBASE_TARGET})")
+    ok = ratio <= APPLY_TARGET and verify < VERIFY_TARGET_S and rebase_ratio <= REBASE_TARGET
     print("PASS" if ok else "OVER TARGET")
     return 0 if ok else 1
 
