@@ -99,7 +99,7 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
     commits = repo.git.rev_list("--reverse", f"{base_commit}..HEAD").split()
     results = [PatchResult(patch, "merged" if patch.id in merged else "clean", commit)
                for patch, commit in zip(patches, commits)]
-    _find_offsets(repo, project, results)
+    find_offsets(repo, project, results)
     tree = AppliedTree(dest, repo, series.upstream.tag, base_commit, results)
     inexact = [r for r in results if r.status != "clean"]
     if exact and inexact:
@@ -218,7 +218,7 @@ def _hunk_mismatch(hunk: Hunk, lines: list[str]) -> str:
             f"it expects are not there\n    " + "\n    ".join(diff))
 
 
-def _find_offsets(repo: git.Repo, project: Project, results: list[PatchResult]) -> None:
+def find_offsets(repo: git.Repo, project: Project, results: list[PatchResult]) -> None:
     """Mark patches whose hunks landed on other lines than the patch file says."""
     if not results:
         return

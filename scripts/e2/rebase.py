@@ -33,7 +33,7 @@ import git
 from filelock import FileLock, Timeout
 
 from e2 import console
-from e2.apply import PatchResult, UpstreamOptions, _find_offsets, apply_series
+from e2.apply import PatchResult, UpstreamOptions, apply_series, find_offsets
 from e2.errors import E2Error
 from e2.fsio import read_tree, replace_dir, write_atomic
 from e2.gitops import COMMITTER_ENV, clone_worktree
@@ -213,7 +213,7 @@ class Rebase:
         current.new_commit = repo.head.commit.hexsha
         result = PatchResult(patch, "merged" if status == "merged" else "clean",
                              current.new_commit)
-        _find_offsets(repo, self.project, [result])
+        find_offsets(repo, self.project, [result])
         current.status, current.notes = result.status, result.notes
 
     def _commit_resolution(self, repo: git.Repo, current: PatchState) -> None:
