@@ -5,7 +5,7 @@ BASE ?=
 TAG ?=
 
 .PHONY: install verify overlay render image base-cpu test test-driver test-image test-env seam \
-	upstream-tests validate bench
+	upstream-tests validate probe-cpu capacity-baseline bench
 
 install:
 	$(PYTHON) -m pip install -q -e '.[test]'
@@ -47,7 +47,16 @@ seam: test-env
 upstream-tests: test-env
 	$(E2) test upstream
 
-validate: seam upstream-tests
+validate: seam upstream-tests probe-cpu
+
+# The probes on the CPU, recorded in .e2/results/ (capacity: two zoo models).
+probe-cpu: test-env
+	$(E2) probe capacity --model Qwen3.5-0.8B --model Granite-4.0-H-Tiny --results .e2/results
+
+# Rewrite docs/capacity-baseline.md and .png from the whole zoo (needs matplotlib).
+capacity-baseline: install
+	$(PYTHON) -m pip install -q -e '.[plot]'
+	$(E2) probe capacity --zoo --baseline
 
 test-driver: install
 	$(PYTHON) -m pytest tests/driver tests/rebase

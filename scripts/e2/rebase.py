@@ -37,7 +37,7 @@ from e2.apply import PatchResult, UpstreamOptions, apply_series, find_offsets
 from e2.errors import E2Error
 from e2.fsio import read_tree, replace_dir, write_atomic
 from e2.gitops import COMMITTER_ENV, clone_worktree
-from e2.series import Patch, Project, Series, Upstream, dump_series, slugify
+from e2.series import Patch, Project, Series, Upstream, dump_series, load_series, slugify
 from e2.verify import verify
 
 VERDICTS = ("still-needed", "obsolete", "re-expressed", "dropped")
@@ -117,6 +117,10 @@ class Rebase:
 
     def repo(self) -> git.Repo:
         return git.Repo(self.work)
+
+    def backup_series(self) -> Series:
+        """The series as it was when the rebase started (its metadata rides along)."""
+        return load_series(self.backup / "series.yaml")
 
     def require_committed(self) -> None:
         try:
@@ -262,7 +266,7 @@ class Rebase:
                 state.save(self.state_file)
                 raise E2Error(f"{current.id} conflicts when kept", hint="resolve, git add, "
                               "then e2 rebase --continue; or e2 rebase --skip")
-            patch = Patch.model_validate(_patch_entry(self.backup, current.id))
+            patch = self.backup_series().by_id(current.id)
             self._record_applied(repo, current, patch, "merged" if fell_back else None)
         elif state.phase == "conflict" and current is not None:
             unmerged = _unmerged(repo)
@@ -288,7 +292,7 @@ class Rebase:
             subprocess.run(["git", "am", "--abort"], cwd=self.work, capture_output=True)
             current.status = "pending"
         elif len(commits) > len(applied):
-            patch = Patch.model_validate(_patch_entry(self.backup, current.id))
+            patch = self.backup_series().by_id(current.id)
             self._record_applied(repo, current, patch, None)
         else:
             current.status = "pending"
@@ -382,13 +386,6 @@ def _write_dockerfile(project: Project, series: Series, manifest: dict) -> None:
         return
     if (project.root / "images").is_dir():
         write_atomic(project.root / "Dockerfile", render_dockerfile(project, series, manifest))
-
-
-def _patch_entry(backup: Path, patch_id: str) -> dict:
-    import yaml
-
-    data = yaml.safe_load((backup / "series.yaml").read_text())
-    return next(p for p in data["patches"] if p["id"] == patch_id)
 
 
 # ---------------------------------------------------------------- git steps
@@ -549,7 +546,7 @@ def _run_locked(args: argparse.Namespace, rebase: Rebase, rebase_report) -> int:
         state = rebase.start(series, target, args.drop_obsolete)
     else:
         state = rebase.load()
-        series = Series.model_validate(_backup_series(rebase))
+        series = rebase.backup_series()
         if args.skip:
             rebase.skip(state, args.reason)
         else:
@@ -585,12 +582,6 @@ def validation_checks(args: argparse.Namespace) -> list:
             check.problems.append((result.stdout + result.stderr).strip()[-2000:])
         checks.append(check)
     return checks
-
-
-def _backup_series(rebase: Rebase) -> dict:
-    import yaml
-
-    return yaml.safe_load((rebase.backup / "series.yaml").read_text())
 
 
 def _print_stop(rebase: Rebase, state: RebaseState) -> None:
