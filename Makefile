@@ -5,7 +5,7 @@ BASE ?=
 TAG ?=
 
 .PHONY: install verify overlay render image base-cpu test test-driver test-image test-env seam \
-	upstream-tests validate probe-cpu capacity-baseline bench
+	upstream-tests validate probe-cpu capacity-baseline probe-gpu bench
 
 install:
 	$(PYTHON) -m pip install -q -e '.[test]'
@@ -63,6 +63,10 @@ test-driver: install
 
 test-image: install
 	$(PYTHON) -m pytest tests/image
+
+# Both probes against the images on the GPU host (docs/gpu-host.md).
+probe-gpu: install
+	scripts/probe-gpu.sh $(HOST)
 
 bench: install
 	$(PYTHON) scripts/bench/bench_driver.py

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Both probes, stock vs E2, against the engine images on the GPU host.
+#
+#   scripts/probe-gpu.sh ssh://user@gpu-host        (or: make probe-gpu HOST=ssh://user@gpu-host)
+#
+# TP (default 4), BUDGET_GIB (KV budget per rank for the capacity planner,
+# default 8) and REPORT (default docs/validation) can be set in the environment.
+# The Docker engine on HOST builds the E2 image from the pinned base (which it
+# must be able to pull or already hold) and runs both engines with --gpus all.
+set -euo pipefail
+host="${1:-}"
+if [ -z "$host" ]; then
+    echo "usage: scripts/probe-gpu.sh DOCKER_HOST   (e.g. ssh://user@gpu-host)" >&2
+    exit 2
+fi
+cd "$(dirname "$0")/.."
+export DOCKER_HOST="$host" HF_HUB_OFFLINE=1
+tp="${TP:-4}"
+budget="${BUDGET_GIB:-8}"
+report="${REPORT:-docs/validation}"
+
+e2 verify
+e2 image build                                   # tag: vllm-e2:<version>-<series digest>
+e2 probe serve --docker --gpus all --tp "$tp" --report "$report"
+# The planner and scheduler run here (CPU); they model the CUDA boot of the host.
+e2 probe capacity --zoo --tp "$tp" --budget-gib "$budget" --results "$report"
