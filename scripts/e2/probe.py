@@ -27,6 +27,7 @@ from rich.table import Table
 from e2 import console
 from e2.errors import E2Error
 from e2.fsio import write_atomic
+from e2.probes.serve import add_serve_arguments
 from e2.series import Project, series_digest
 
 PROBES = Path(__file__).resolve().parent / "probes"
@@ -422,6 +423,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="also write docs/capacity-baseline.md and .png")
     cap.add_argument("--json", action="store_true", help="print the record as JSON")
     cap.set_defaults(run=run)
+    serve = probes.add_parser(
+        "serve", help="stock vs E2 engines serving a tiny hybrid model, token for token",
+        description="Serve a tiny random-weight Qwen3-Next model with stock and E2 vLLM "
+                    "(the local e2 env, or --docker images on DOCKER_HOST) and compare "
+                    "output token ids request by request: prompts of block-1, block and "
+                    "block+1 tokens, a shared prefix, more requests than fit (preemption), "
+                    "sync and async scheduling. Any mismatch fails; records go to "
+                    "docs/validation/.")
+    add_serve_arguments(serve)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -1,0 +1,156 @@
+"""e2 probe serve on the CPU: real stock and E2 engines, token for token.
+
+One module-scoped run of the whole probe (four engine boots, about 90 s on
+two cores) feeds the checks; the failing controls re-judge that run's
+recorded results with a deliberately different E2 side, so they cost no
+third engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from e2 import cli
+from e2.probes import serve
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = cli.main(["--project", str(REPO_ROOT), "probe", "serve", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def probe_run(tmp_path_factory) -> dict:
+    # the CPU test env is made (or reused) by the probe itself, as e2 env would
+    report = tmp_path_factory.mktemp("serve")
+    code = cli.main(["--project", str(REPO_ROOT), "probe", "serve", "--report", str(report)])
+    record = json.loads((report / "serve-cpu.json").read_text())
+    return {"code": code, "record": record, "report": report,
+            "markdown": (report / "serve-cpu.md").read_text()}
+
+
+def test_cpu_probe_stock_and_e2_match_on_every_case(probe_run):
+    record = probe_run["record"]
+    assert probe_run["code"] == 0, json.dumps(record["rows"], indent=1)
+    assert record["ok"]
+    header = record["header"]
+    assert header["upstream_version"] == "0.31.0" and len(header["series_digest"]) == 64
+    assert header["runner"] == "local" and header["device"].startswith("CPU")
+    for side in serve.SIDES:
+        sync = record["sides"][side]["modes"]["sync"]
+        engine = sync["engine"]
+        assert "KV cache size:" in engine["kv_line"]
+        assert (engine["e2_banner"] is not None) == (side == "e2")
+        block = engine["block_size"]
+        cases = sync["cases"]
+        # the cases are cut from the block size the engine itself reported
+        assert [cases[n]["requests"][0]["prompt_tokens"]
+                for n in ("len-block-1", "len-block", "len-block+1")] == [block - 1, block,
+                                                                         block + 1]
+        assert cases["shared-prefix"]["prefix_cache_hits"] > 0
+        over = cases["oversubscribed"]
+        demand = sum(r["prompt_tokens"] for r in over["requests"]) + \
+            over["max_tokens"] * len(over["requests"])
+        assert demand > engine["kv_capacity_tokens"]
+        assert over["preemptions"] > 0
+        for case in cases.values():
+            assert all(serve.complete(r, case["max_tokens"]) for r in case["requests"])
+    rows = {(r["mode"], r["case"]): r for r in record["rows"]}
+    assert all(r["matched"] == r["requests"] and r["ok"] for (m, _), r in rows.items()
+               if m == "sync")
+    # vLLM's CPU platform turns async scheduling off: reported, not passed
+    for side in serve.SIDES:
+        async_mode = record["sides"][side]["modes"]["async"]
+        assert async_mode["engine"]["async_requested"] is True
+        assert async_mode["engine"]["async_resolved"] is False
+        assert async_mode["skipped"] == serve.CPU_ASYNC_SKIP
+    assert rows[("async", "(all)")]["verdict"] == "skipped"
+    assert serve.CPU_ASYNC_SKIP in probe_run["markdown"]
+    assert "all cases match" in probe_run["markdown"]
+
+
+def _rejudge(record: dict, tmp_path: Path, capsys) -> tuple[int, dict, str]:
+    capsys.readouterr()
+    code = serve.conclude(record, tmp_path, "serve-control")
+    _, err = capsys.readouterr()
+    return code, json.loads((tmp_path / "serve-control.json").read_text()), err
+
+
+def test_a_different_e2_token_is_a_mismatch_and_fails(probe_run, tmp_path, capsys):
+    record = copy.deepcopy(probe_run["record"])
+    request = record["sides"]["e2"]["modes"]["sync"]["cases"]["oversubscribed"]["requests"][3]
+    request["token_ids"][7] = (request["token_ids"][7] + 1) % serve.VOCAB
+    code, judged, err = _rejudge(record, tmp_path, capsys)
+    assert code == 1 and not judged["ok"]
+    bad = [r for r in judged["rows"] if not r["ok"]]
+    assert [(r["mode"], r["case"]) for r in bad] == [("sync", "oversubscribed")]
+    assert bad[0]["matched"] == bad[0]["requests"] - 1
+    assert "request 3: token ids differ from position 7" in err
+    assert "FAIL" in (tmp_path / "serve-control.md").read_text()
+
+
+def test_a_changed_sampling_parameter_on_e2_fails(probe_run, tmp_path, capsys):
+    """As if E2 had honoured a different max_tokens: short outputs, incomplete requests."""
+    record = copy.deepcopy(probe_run["record"])
+    case = record["sides"]["e2"]["modes"]["sync"]["cases"]["len-block"]
+    case["requests"][0]["token_ids"] = case["requests"][0]["token_ids"][:-1]
+    code, judged, err = _rejudge(record, tmp_path, capsys)
+    assert code == 1
+    assert "e2: 0/1 complete" in err and "request 0: token ids differ" in err
+
+
+def test_a_case_that_missed_its_path_fails(probe_run, tmp_path, capsys):
+    record = copy.deepcopy(probe_run["record"])
+    record["sides"]["stock"]["modes"]["sync"]["cases"]["oversubscribed"]["preemptions"] = 0
+    code, _, err = _rejudge(record, tmp_path, capsys)
+    assert code == 1 and "stock: no preemption" in err
+
+
+def test_an_e2_side_without_the_overlay_fails(probe_run, tmp_path, capsys):
+    record = copy.deepcopy(probe_run["record"])
+    for mode in record["sides"]["e2"]["modes"].values():
+        mode["engine"]["e2_banner"] = None
+    code, _, err = _rejudge(record, tmp_path, capsys)
+    assert code == 1 and "the overlay is not in effect" in err
+
+
+def test_cases_follow_the_block_size_and_capacity():
+    small = serve.build_cases(16, 200)
+    assert [len(c.prompts[0]) for c in small[:3]] == [15, 16, 17]
+    big = serve.build_cases(256, 3000)
+    assert [len(c.prompts[0]) for c in big[:3]] == [255, 256, 257]
+    over = big[-1]
+    assert over.concurrent and len(over.prompts) * (len(over.prompts[0]) + over.max_tokens) > 3000
+    shared = min(3 * 256, serve.MAX_MODEL_LEN // 2)  # three blocks, within max-model-len
+    prefix = big[3]
+    assert prefix.prompts[0][:shared] == prefix.prompts[1][:shared]
+    assert prefix.prompts[0][shared:] != prefix.prompts[1][shared:]
+
+
+def test_unreachable_docker_host_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setenv("DOCKER_HOST", "tcp://127.0.0.1:9")
+    code, _, err = _main(capsys, "--docker", "--stock-image", "vllm/vllm-openai:v0.31.0",
+                         "--e2-image", "vllm-e2:test", "--gpus", "all", "--tp", "2",
+                         "--no-record")
+    assert code == 1
+    assert "no Docker daemon reachable at tcp://127.0.0.1:9" in err
+    assert "DOCKER_HOST" in err  # the hint
+    assert "Traceback" not in err
+
+
+def test_docker_only_options_without_docker_are_refused(capsys):
+    code, _, err = _main(capsys, "--gpus", "all", "--no-record")
+    assert code == 1 and "go with --docker" in err
+
+
+def test_a_tensor_parallel_size_the_model_cannot_split_over_is_refused(capsys):
+    code, _, err = _main(capsys, "--docker", "--gpus", "all", "--tp", "3", "--no-record")
+    assert code == 1 and "--tp 3" in err and "1, 2, 4" in err
