@@ -25,23 +25,9 @@ pytestmark = pytest.mark.docker_e2e
 BASE = f"e2-base-cpu:{VERSION}"
 MANIFEST = json.loads((REPO_ROOT / "overlay" / "MANIFEST.json").read_text())
 
-TINY_MODEL = """
-import torch
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-torch.manual_seed(0)
-config = Qwen3NextConfig(
-    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-    num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-    # the CPU Gated DeltaNet kernels want 128-wide linear-attention heads
-    linear_num_key_heads=1, linear_num_value_heads=2,
-    linear_key_head_dim=128, linear_value_head_dim=128,
-    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-    shared_expert_intermediate_size=64, max_position_embeddings=512,
-    layer_types=["linear_attention"] * 3 + ["full_attention"],
-    bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
-Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained("/model")
-print("model written")
-"""
+# The probes' model writer: stdlib + torch + transformers, run by the image's python.
+TINY_MODEL = (REPO_ROOT / "scripts/e2/probes/tiny_model.py").read_text()
+E2_TAG = "e2-test:cpu"
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +50,7 @@ def _free_port() -> int:
 
 
 def test_e2_image_on_the_cpu_base_serves_a_model(project, cpu_base, docker_client, tmp_path):
-    tag = "e2-test:cpu"
+    tag = E2_TAG
     built = [project.e2("image", "build", "--base", BASE, "--tag", tag, "--no-cache")
              for _ in range(2)]
     site = cpu_base.attrs["Config"]["Labels"]["org.vllm-e2.site-packages"]
@@ -80,7 +66,7 @@ def test_e2_image_on_the_cpu_base_serves_a_model(project, cpu_base, docker_clien
     assert pycs[-1] == "03000000"  # flags: hash-based, checked
     model = tmp_path / "model"
     model.mkdir()
-    docker_client.containers.run(tag, ["python3", "-c", TINY_MODEL], remove=True,
+    docker_client.containers.run(tag, ["python3", "-c", TINY_MODEL, "/model"], remove=True,
                                  network_mode="none",
                                  volumes={str(model): {"bind": "/model", "mode": "rw"}})
     assert (model / "config.json").is_file()
@@ -103,6 +89,22 @@ def test_e2_image_on_the_cpu_base_serves_a_model(project, cpu_base, docker_clien
                 in logs), logs[-3000:]
     finally:
         container.remove(force=True)
+
+
+def test_serve_probe_docker_path_matches_on_the_cpu_images(project, cpu_base, tmp_path):
+    """e2 probe serve --docker for real: stock = the CPU base, E2 = the image built on
+    it; the GPU host runs the same code with --gpus and --tp."""
+    from e2.probes import serve
+
+    project.e2("image", "build", "--base", BASE, "--tag", E2_TAG)
+    result = project.e2("probe", "serve", "--docker", "--stock-image", BASE,
+                        "--e2-image", E2_TAG, "--report", str(tmp_path))
+    record = json.loads((tmp_path / "serve-docker.json").read_text())
+    assert record["header"]["runner"] == "docker" and record["ok"], result.stderr[-3000:]
+    assert record["header"]["image_digests"]["e2"] != record["header"]["image_digests"]["stock"]
+    sync = record["sides"]["e2"]["modes"]["sync"]
+    assert sync["engine"]["e2_banner"] and sync["cases"]["oversubscribed"]["preemptions"] > 0
+    assert record["sides"]["e2"]["modes"]["async"]["skipped"] == serve.CPU_ASYNC_SKIP
 
 
 def _complete(container, port: int, deadline_s: float = 600) -> dict:
