@@ -10,6 +10,7 @@ the commit-ready table and plot (docs/capacity-baseline.md, .png).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -188,6 +189,33 @@ def run_all(runtime: Runtime, models: list[Path], settings: Settings) -> dict[st
     return results
 
 
+def boot_all(runtime: Runtime, models: list[Path], settings: Settings,
+             per_model: dict[str, dict]) -> None:
+    """Boot each side once per model (one at a time: each holds the model's weights)."""
+    from e2.probes.boot import read_boot_line
+
+    for model in models:
+        max_len = settings.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model_max_len(model))
+        model_settings = dataclasses.replace(settings, max_model_len=max_len)
+        for side in per_model[model.name]:
+            with console.status(f"booting {model.name} ({side})"):
+                boot = read_boot_line(runtime.python, model, model_settings, runtime.env(side))
+            per_model[model.name][side]["boot"] = boot
+            console.info(f"{model.name} {side}: {boot['kv_line']} ({boot['seconds']} s)")
+
+
+def render_boot(per_model: dict[str, dict]) -> str:
+    rows = [(name, side, result["boot"]) for name, sides in per_model.items()
+            for side, result in sides.items() if "boot" in result]
+    if not rows:
+        return ""
+    lines = ["", "## Boot line (this host's engine, dummy weights)", "",
+             "| model | side | KV cache size line | boot s |", "|---|---|---|---:|"]
+    lines += [f"| {name} | {side} | {boot['kv_line']} | {boot['seconds']} |"
+              for name, side, boot in rows]
+    return "\n".join(lines) + "\n"
+
+
 def differences(per_model: dict[str, dict]) -> list[str]:
     """Planner and workload figures where E2 differs from stock."""
     found = []
@@ -203,6 +231,9 @@ def differences(per_model: dict[str, dict]) -> list[str]:
                 if s_row[kind]["saturation"] != e_row[kind]["saturation"]:
                     found.append(f"{name}: L={s_row['length']} {kind} saturation "
                                  f"{s_row[kind]['saturation']} -> {e_row[kind]['saturation']}")
+        if "boot" in stock and "boot" in e2 and stock["boot"]["tokens"] != e2["boot"]["tokens"]:
+            found.append(f"{name}: boot KV cache tokens {stock['boot']['tokens']} -> "
+                         f"{e2['boot']['tokens']}")
     return found
 
 
@@ -416,6 +447,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="with --python: an overlaid copy of vllm to run as E2 (default: "
                           "e2 env's view)")
     cap.add_argument("--stock-only", action="store_true", help="skip the E2 side")
+    cap.add_argument("--boot", action="store_true",
+                     help="also boot the engine on each model (dummy weights, --tp 1) and "
+                          "record its 'KV cache size: N tokens' line, stock and E2")
     cap.add_argument("--results", type=Path, metavar="DIR",
                      help="where records go (default docs/validation)")
     cap.add_argument("--no-record", action="store_true", help="print only")
@@ -457,6 +491,8 @@ def run(args: argparse.Namespace) -> int:
     settings = Settings(args.budget_gib, args.tp, args.max_num_seqs, args.max_model_len,
                         args.kv_dtype, args.mamba_cache_mode, tuple(args.lengths))
     per_model = run_all(runtime, models, settings)
+    if args.boot:
+        boot_all(runtime, models, settings, per_model)
     series = args.project.load()
     first = next(iter(per_model.values()))["stock"]
     record = {
@@ -492,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
                                   if base.is_relative_to(args.project.root)
                                   else base.with_suffix(".md"))
         _publish(base.with_suffix(".json"), json.dumps(record, indent=1) + "\n")
-        _publish(base.with_suffix(".md"), render_markdown(record))
+        _publish(base.with_suffix(".md"), render_markdown(record) + render_boot(per_model))
         console.info(f"recorded {base}.json and .md")
         if args.baseline:
             docs = args.project.root / "docs"

@@ -179,3 +179,23 @@ def test_stock_and_e2_agree_and_are_recorded(capsys, tmp_path):
     assert record["differences"] == []
     assert sides["e2"]["planner"]["num_blocks"] == sides["stock"]["planner"]["num_blocks"]
     assert (tmp_path / record_file.name.replace(".json", ".md")).is_file()
+
+
+def test_boot_reads_the_engines_kv_line_stock_and_e2(capsys, tmp_path):
+    """--boot starts the real engine on the config-only model (dummy weights) for each
+    side and records its boot line; with the budget passed as KV bytes, the tokens
+    follow from the CPU engine's own geometry, and both sides agree."""
+    code, _, err = _e2(capsys, "--model", MODEL, "--boot", "--lengths", "128",
+                       "--max-model-len", "4096", "--max-num-seqs", "8", "--budget-gib", "2",
+                       "--results", str(tmp_path))
+    assert code == 0, err
+    [record_file] = tmp_path.glob("capacity-*.json")
+    sides = json.loads(record_file.read_text())["models"][MODEL]
+    stock, e2 = sides["stock"]["boot"], sides["e2"]["boot"]
+    assert stock["kv_line"].startswith("CPU KV cache size: ")
+    assert stock["tokens"] == e2["tokens"] > 4096
+    assert f"{stock['tokens']:,} tokens" in stock["kv_line"]
+    assert "## Boot line" in record_file.with_suffix(".md").read_text()
+    code, _, err = _e2(capsys, "--model", MODEL, "--boot", "--tp", "2", "--stock-only",
+                       "--lengths", "128", "--no-record")
+    assert code == 1 and "--boot runs one engine process on this host" in err
