@@ -22,5 +22,10 @@ report="${REPORT:-docs/validation}"
 e2 verify
 e2 image build                                   # tag: vllm-e2:<version>-<series digest>
 e2 probe serve --docker --gpus all --tp "$tp" --report "$report"
-# The planner and scheduler run here (CPU); they model the CUDA boot of the host.
+# The planner and scheduler run here (CPU) and model the CUDA boot; --boot then
+# boots both images on the host with dummy weights for the models whose weights
+# fit 4x24 GB, and records each engine's own "KV cache size" line beside the plan.
 e2 probe capacity --zoo --tp "$tp" --budget-gib "$budget" --results "$report"
+e2 probe capacity --model Qwen3.5-0.8B --model Qwen3.5-4B --model Qwen3.5-27B \
+    --model Nemotron-H-8B --model Granite-4.0-H-Tiny --tp "$tp" --budget-gib "$budget" \
+    --boot --docker --gpus all --results "$report"

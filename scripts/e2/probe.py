@@ -190,18 +190,37 @@ def run_all(runtime: Runtime, models: list[Path], settings: Settings) -> dict[st
 
 
 def boot_all(runtime: Runtime, models: list[Path], settings: Settings,
-             per_model: dict[str, dict]) -> None:
-    """Boot each side once per model (one at a time: each holds the model's weights)."""
-    from e2.probes.boot import read_boot_line
+             per_model: dict[str, dict], docker: dict | None = None) -> None:
+    """Boot each side once per model (one at a time: each holds the model's weights);
+    ``docker`` ({client, images, gpus}) boots the engine images instead."""
+    from e2.probes.boot import read_boot_line, read_boot_line_docker
 
     for model in models:
         max_len = settings.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model_max_len(model))
         model_settings = dataclasses.replace(settings, max_model_len=max_len)
         for side in per_model[model.name]:
             with console.status(f"booting {model.name} ({side})"):
-                boot = read_boot_line(runtime.python, model, model_settings, runtime.env(side))
+                if docker is not None:
+                    boot = read_boot_line_docker(docker["client"], docker["images"][side],
+                                                 model, model_settings, docker["gpus"])
+                    boot["image"] = docker["images"][side]
+                else:
+                    boot = read_boot_line(runtime.python, model, model_settings,
+                                          runtime.env(side))
             per_model[model.name][side]["boot"] = boot
             console.info(f"{model.name} {side}: {boot['kv_line']} ({boot['seconds']} s)")
+
+
+def boot_images(args: argparse.Namespace) -> dict:
+    """Stock and E2 engine images on DOCKER_HOST for --boot --docker (the GPU host)."""
+    from e2.image import connect, default_tag, pinned_base
+
+    client = connect()  # an unreachable DOCKER_HOST fails here, before any boot
+    series = args.project.load()
+    digest = series_digest(series, args.project.patches_dir)
+    return {"client": client, "gpus": args.gpus,
+            "images": {"stock": args.stock_image or pinned_base(series),
+                       "e2": args.e2_image or default_tag(series, digest)}}
 
 
 def render_boot(per_model: dict[str, dict]) -> str:
@@ -448,8 +467,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           "e2 env's view)")
     cap.add_argument("--stock-only", action="store_true", help="skip the E2 side")
     cap.add_argument("--boot", action="store_true",
-                     help="also boot the engine on each model (dummy weights, --tp 1) and "
-                          "record its 'KV cache size: N tokens' line, stock and E2")
+                     help="also boot the engine on each model (dummy weights) and record its "
+                          "'KV cache size: N tokens' line, stock and E2 (here: --tp 1)")
+    cap.add_argument("--docker", action="store_true",
+                     help="with --boot: boot the engine images on DOCKER_HOST (the GPU host)")
+    cap.add_argument("--stock-image", metavar="REF",
+                     help="--docker: stock image (default: image.base of series.yaml)")
+    cap.add_argument("--e2-image", metavar="REF",
+                     help="--docker: E2 image (default: vllm-e2:<version>-<digest12>)")
+    cap.add_argument("--gpus", metavar="all|IDS", help="--docker: GPUs for the engines")
     cap.add_argument("--results", type=Path, metavar="DIR",
                      help="where records go (default docs/validation)")
     cap.add_argument("--no-record", action="store_true", help="print only")
@@ -479,6 +505,10 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_numbers(args)
+    if (args.docker or args.stock_image or args.e2_image or args.gpus) and not args.boot:
+        raise E2Error("--docker, --stock-image, --e2-image and --gpus go with --boot")
+    if (args.stock_image or args.e2_image or args.gpus) and not args.docker:
+        raise E2Error("--stock-image, --e2-image and --gpus go with --docker")
     specs = list(args.model) + (zoo_names() if args.zoo else [])
     if not specs:
         raise E2Error("no model given", hint="--model DIR|NAME (repeatable) or --zoo")
@@ -490,9 +520,10 @@ def run(args: argparse.Namespace) -> int:
         console.warn(f"E2 side skipped: {runtime.why_no_view}; running stock only")
     settings = Settings(args.budget_gib, args.tp, args.max_num_seqs, args.max_model_len,
                         args.kv_dtype, args.mamba_cache_mode, tuple(args.lengths))
+    images = boot_images(args) if args.boot and args.docker else None  # reach it first
     per_model = run_all(runtime, models, settings)
     if args.boot:
-        boot_all(runtime, models, settings, per_model)
+        boot_all(runtime, models, settings, per_model, images)
     series = args.project.load()
     first = next(iter(per_model.values()))["stock"]
     record = {

@@ -35,6 +35,7 @@ def test_gpu_workflow_runs_both_probes_on_the_self_hosted_runner():
     wrapper = (REPO_ROOT / "scripts/probe-gpu.sh").read_text()
     assert "e2 probe serve --docker --gpus all" in wrapper
     assert "e2 probe capacity --zoo" in wrapper
+    assert "--boot --docker --gpus all" in wrapper
     assert "e2 image build" in wrapper
 
 

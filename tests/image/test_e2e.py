@@ -107,6 +107,32 @@ def test_serve_probe_docker_path_matches_on_the_cpu_images(project, cpu_base, tm
     assert record["sides"]["e2"]["modes"]["async"]["skipped"] == serve.CPU_ASYNC_SKIP
 
 
+def test_capacity_boot_reads_the_kv_line_of_both_images(project, cpu_base, docker_client,
+                                                        tmp_path):
+    """e2 probe capacity --boot --docker: each image boots on the config-only model
+    (dummy weights, copied into the container) and logs its KV cache size."""
+    project.e2("image", "build", "--base", BASE, "--tag", E2_TAG)
+    model = tmp_path / "model"
+    model.mkdir()
+    docker_client.containers.run(E2_TAG, ["python3", "-c", TINY_MODEL, "/model"], remove=True,
+                                 network_mode="none",
+                                 volumes={str(model): {"bind": "/model", "mode": "rw"}})
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()  # config.json is all a capacity boot needs
+    project.e2("probe", "capacity", "--model", str(model), "--boot", "--docker",
+               "--stock-image", BASE, "--e2-image", E2_TAG, "--lengths", "128",
+               "--max-model-len", "1024", "--max-num-seqs", "8", "--budget-gib", "1",
+               "--results", str(tmp_path / "records"))
+    [record_file] = (tmp_path / "records").glob("capacity-*.json")
+    sides = json.loads(record_file.read_text())["models"]["model"]
+    stock, e2 = sides["stock"]["boot"], sides["e2"]["boot"]
+    assert (stock["image"], e2["image"]) == (BASE, E2_TAG)
+    assert stock["kv_line"].startswith("CPU KV cache size: ")
+    assert stock["tokens"] == e2["tokens"] > 1024
+    assert not docker_client.containers.list(all=True,
+                                             filters={"label": "org.vllm-e2.probe=capacity-boot"})
+
+
 def _complete(container, port: int, deadline_s: float = 600) -> dict:
     """POST a token-id prompt once the server is up; the container's log on failure."""
     body = json.dumps({"model": "/model", "prompt": [1, 17, 42, 99], "max_tokens": 4,

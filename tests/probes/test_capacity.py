@@ -199,3 +199,14 @@ def test_boot_reads_the_engines_kv_line_stock_and_e2(capsys, tmp_path):
     code, _, err = _e2(capsys, "--model", MODEL, "--boot", "--tp", "2", "--stock-only",
                        "--lengths", "128", "--no-record")
     assert code == 1 and "--boot runs one engine process on this host" in err
+
+
+def test_docker_options_need_boot_and_an_engine(capsys, monkeypatch):
+    code, _, err = _e2(capsys, "--model", MODEL, "--docker", "--no-record")
+    assert code == 1 and "go with --boot" in err
+    code, _, err = _e2(capsys, "--model", MODEL, "--boot", "--gpus", "all", "--no-record")
+    assert code == 1 and "go with --docker" in err
+    monkeypatch.setenv("DOCKER_HOST", "tcp://127.0.0.1:9")
+    code, _, err = _e2(capsys, "--model", MODEL, "--boot", "--docker", "--stock-only",
+                       "--lengths", "128", "--no-record")
+    assert code == 1 and "no Docker daemon reachable at tcp://127.0.0.1:9" in err

@@ -32,29 +32,90 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def boot_command(python: Path, model: Path, settings) -> list[str]:
-    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
-               "--max-model-len", str(settings.max_model_len),
-               "--max-num-seqs", str(settings.max_num_seqs),
-               "--kv-cache-memory-bytes", str(int(settings.budget_gib * GIB)),
-               "--host", "127.0.0.1", "--port", str(_free_port())]
+def engine_flags(model: Path, served_as: str, settings) -> list[str]:
+    """vllm serve flags for a config-only boot of ``model`` (seen by the engine as served_as)."""
+    flags = [served_as, "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
+             "--max-model-len", str(settings.max_model_len),
+             "--max-num-seqs", str(settings.max_num_seqs),
+             "--kv-cache-memory-bytes", str(int(settings.budget_gib * GIB)),
+             "--tensor-parallel-size", str(settings.tp)]
     if "vision_config" in json.loads((model / "config.json").read_text()):
         # the capacity question is the language model's; the vision processor would
         # also need a tokenizer, which a config-only folder does not have
-        command.append("--language-model-only")
+        flags.append("--language-model-only")
     if settings.kv_dtype != "auto":
-        command += ["--kv-cache-dtype", settings.kv_dtype]
+        flags += ["--kv-cache-dtype", settings.kv_dtype]
     if settings.mamba_cache_mode == "align":
-        command += ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
-    return command
+        flags += ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
+    return flags
+
+
+def boot_command(python: Path, model: Path, settings) -> list[str]:
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+            *engine_flags(model, str(model), settings),
+            "--host", "127.0.0.1", "--port", str(_free_port())]
+
+
+def _found(text: str, started: float) -> dict | None:
+    match = KV_LINE.search(text)
+    if match is None:
+        return None
+    return {"kv_line": match.group(0).strip(), "tokens": int(match.group(1).replace(",", "")),
+            "seconds": round(time.monotonic() - started, 1)}
+
+
+def read_boot_line_docker(client, image: str, model: Path, settings, gpus: str | None,
+                          timeout_s: float = BOOT_TIMEOUT_S) -> dict:
+    """The same boot in a container of ``image`` on the engine DOCKER_HOST names.
+
+    The model folder travels into the container as an archive (a remote host
+    cannot see this machine's paths); ``gpus`` is 'all' or comma-separated ids.
+    """
+    import io
+    import tarfile
+
+    import docker
+
+    requests = None
+    if gpus:
+        ids = None if gpus == "all" else gpus.split(",")
+        requests = [docker.types.DeviceRequest(count=-1 if ids is None else None,
+                                               device_ids=ids, capabilities=[["gpu"]])]
+    # an explicit entrypoint: vllm/vllm-openai's own is `vllm serve`, local bases have none
+    container = client.containers.create(
+        image, ["--model", *engine_flags(model, "/e2-model", settings)],
+        entrypoint=["python3", "-m", "vllm.entrypoints.openai.api_server"],
+        environment={"HF_HUB_OFFLINE": "1"}, network_mode="none", shm_size="1g",
+        device_requests=requests, labels={"org.vllm-e2.probe": "capacity-boot"})
+    try:
+        archive = io.BytesIO()
+        with tarfile.open(fileobj=archive, mode="w") as tar:
+            tar.add(model, arcname="e2-model")
+        container.put_archive("/", archive.getvalue())
+        started = time.monotonic()
+        container.start()
+        while time.monotonic() - started < timeout_s:
+            text = container.logs().decode(errors="replace")
+            found = _found(text, started)
+            if found:
+                return found
+            container.reload()
+            if container.status == "exited":
+                tail = "\n".join(text.splitlines()[-15:])
+                raise E2Error(f"the engine in {image} exited before logging its KV cache "
+                              f"size for {model.name}:\n{tail}")
+            time.sleep(1)
+        raise E2Error(f"no KV cache size line from {image} within {timeout_s:.0f} s")
+    finally:
+        container.remove(force=True)
 
 
 def read_boot_line(python: Path, model: Path, settings, env: dict[str, str],
                    timeout_s: float = BOOT_TIMEOUT_S) -> dict:
     """Boot once; the KV line and the tokens in it, or an E2Error with the log's tail."""
     if settings.tp != 1:
-        raise E2Error("--boot runs one engine process on this host: use --tp 1")
+        raise E2Error("--boot runs one engine process on this host: use --tp 1 "
+                      "(or --docker on the GPU host)")
     env = {k: v for k, v in env.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # would override
     started = time.monotonic()
     with tempfile.NamedTemporaryFile("w+", prefix="e2-boot-", suffix=".log") as log:
@@ -63,11 +124,9 @@ def read_boot_line(python: Path, model: Path, settings, env: dict[str, str],
         try:
             while time.monotonic() - started < timeout_s:
                 text = Path(log.name).read_text(errors="replace")
-                found = KV_LINE.search(text)
+                found = _found(text, started)
                 if found:
-                    return {"kv_line": found.group(0).strip(),
-                            "tokens": int(found.group(1).replace(",", "")),
-                            "seconds": round(time.monotonic() - started, 1)}
+                    return found
                 if process.poll() is not None:
                     tail = "\n".join(text.splitlines()[-15:])
                     raise E2Error(f"the engine exited ({process.returncode}) before logging its "
