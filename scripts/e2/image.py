@@ -76,6 +76,13 @@ def default_tag(series: Series, digest: str) -> str:
     return f"{IMAGE_REPO}:{image_version(series, digest)}"
 
 
+def engine_images(project: Project, series: Series, stock: str | None,
+                  e2: str | None) -> dict[str, str]:
+    """The images the probes compare: the pinned base and this series' image by default."""
+    digest = series_digest(series, project.patches_dir)
+    return {"stock": stock or pinned_base(series), "e2": e2 or default_tag(series, digest)}
+
+
 def _pycache(path: str) -> str:
     """The glob of a module's compiled files, removed along with a deleted module."""
     folder, _, name = path.rpartition("/")

@@ -28,7 +28,7 @@ from rich.table import Table
 from e2 import console
 from e2.errors import E2Error
 from e2.fsio import write_atomic
-from e2.probes.serve import add_serve_arguments
+from e2.probes.serve import add_engine_image_arguments, add_serve_arguments
 from e2.series import Project, series_digest
 
 PROBES = Path(__file__).resolve().parent / "probes"
@@ -213,14 +213,12 @@ def boot_all(runtime: Runtime, models: list[Path], settings: Settings,
 
 def boot_images(args: argparse.Namespace) -> dict:
     """Stock and E2 engine images on DOCKER_HOST for --boot --docker (the GPU host)."""
-    from e2.image import connect, default_tag, pinned_base
+    from e2.image import connect, engine_images
 
     client = connect()  # an unreachable DOCKER_HOST fails here, before any boot
-    series = args.project.load()
-    digest = series_digest(series, args.project.patches_dir)
     return {"client": client, "gpus": args.gpus,
-            "images": {"stock": args.stock_image or pinned_base(series),
-                       "e2": args.e2_image or default_tag(series, digest)}}
+            "images": engine_images(args.project, args.project.load(), args.stock_image,
+                                    args.e2_image)}
 
 
 def render_boot(per_model: dict[str, dict]) -> str:
@@ -471,11 +469,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           "'KV cache size: N tokens' line, stock and E2 (here: --tp 1)")
     cap.add_argument("--docker", action="store_true",
                      help="with --boot: boot the engine images on DOCKER_HOST (the GPU host)")
-    cap.add_argument("--stock-image", metavar="REF",
-                     help="--docker: stock image (default: image.base of series.yaml)")
-    cap.add_argument("--e2-image", metavar="REF",
-                     help="--docker: E2 image (default: vllm-e2:<version>-<digest12>)")
-    cap.add_argument("--gpus", metavar="all|IDS", help="--docker: GPUs for the engines")
+    add_engine_image_arguments(cap)
     cap.add_argument("--results", type=Path, metavar="DIR",
                      help="where records go (default docs/validation)")
     cap.add_argument("--no-record", action="store_true", help="print only")

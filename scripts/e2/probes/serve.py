@@ -51,7 +51,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 from filelock import FileLock
 from rich.markup import escape
@@ -210,20 +210,17 @@ def engine_env() -> dict[str, str]:
             "DO_NOT_TRACK": "1"}
 
 
-class Engine:
+class Engine(Protocol):
     """A started server: the probe's three ways to talk to it."""
 
     side: str
     mode: str
 
-    def get(self, path: str) -> str:
-        raise NotImplementedError
+    def get(self, path: str) -> str: ...
 
-    def post_all(self, bodies: list[dict], hold: float = 0.0) -> list[dict]:
-        raise NotImplementedError
+    def post_all(self, bodies: list[dict], hold: float = 0.0) -> list[dict]: ...
 
-    def log(self) -> str:
-        raise NotImplementedError
+    def log(self) -> str: ...
 
 
 class LocalEngine(Engine):
@@ -850,16 +847,21 @@ def conclude(record: dict, report_dir: Path | None, name: str) -> int:
 # ---------------------------------------------------------------- command
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--docker", action="store_true",
-                        help="run the engines in images through the Docker SDK (DOCKER_HOST, "
-                             "ssh:// included) instead of the local e2 env")
+def add_engine_image_arguments(parser: argparse.ArgumentParser) -> None:
+    """The stock/E2 image pair and GPUs of the probes' --docker paths (the GPU host)."""
     parser.add_argument("--stock-image", metavar="REF",
                         help="stock engine image (--docker; default: image.base of series.yaml)")
     parser.add_argument("--e2-image", metavar="REF",
                         help="E2 engine image (--docker; default: vllm-e2:<version>-<digest12>)")
     parser.add_argument("--gpus", metavar="all|IDS", help="--docker: GPUs for the engines "
                         "(docker run --gpus; 'all' or comma-separated ids)")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--docker", action="store_true",
+                        help="run the engines in images through the Docker SDK (DOCKER_HOST, "
+                             "ssh:// included) instead of the local e2 env")
+    add_engine_image_arguments(parser)
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
     parser.add_argument("--kv-cache-bytes", type=int, default=KV_CACHE_BYTES, metavar="N",
                         help="each engine's KV cache (--kv-cache-memory-bytes; default "
@@ -908,12 +910,10 @@ def _local_runner(args, project: Project, series: Series, logs: Path):
 
 
 def _docker_runner(args, project: Project, series: Series, logs: Path):
-    from e2.image import connect, default_tag, pinned_base
+    from e2.image import connect, engine_images
 
     client = connect()  # first: an unreachable DOCKER_HOST fails before anything else
-    digest = series_digest(series, project.patches_dir)
-    images = {"stock": args.stock_image or pinned_base(series),
-              "e2": args.e2_image or default_tag(series, digest)}
+    images = engine_images(project, series, args.stock_image, args.e2_image)
     runner = DockerRunner(client, images, args.gpus, args.tp, logs, SEED, args.kv_cache_bytes)
     volume = runner.ensure_model()
     return runner, f"docker volume {volume}", "serve-gpu" if args.gpus else "serve-docker"
