@@ -64,6 +64,23 @@ def _found(text: str, started: float) -> dict | None:
             "seconds": round(time.monotonic() - started, 1)}
 
 
+def _wait_for_kv_line(read_log, exited, engine: str, model: Path, timeout_s: float) -> dict:
+    """Poll an engine's log until its KV cache size line, its exit, or the timeout."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        text = read_log()
+        found = _found(text, started)
+        if found:
+            return found
+        if exited():
+            tail = "\n".join(text.splitlines()[-15:])
+            raise E2Error(f"{engine} exited before logging its KV cache size for "
+                          f"{model.name}:\n{tail}")
+        time.sleep(1)
+    raise E2Error(f"no KV cache size line from {engine} for {model.name} within "
+                  f"{timeout_s:.0f} s")
+
+
 def read_boot_line_docker(client, image: str, model: Path, settings, gpus: str | None,
                           timeout_s: float = BOOT_TIMEOUT_S) -> dict:
     """The same boot in a container of ``image`` on the engine DOCKER_HOST names.
@@ -92,20 +109,14 @@ def read_boot_line_docker(client, image: str, model: Path, settings, gpus: str |
         with tarfile.open(fileobj=archive, mode="w") as tar:
             tar.add(model, arcname="e2-model")
         container.put_archive("/", archive.getvalue())
-        started = time.monotonic()
         container.start()
-        while time.monotonic() - started < timeout_s:
-            text = container.logs().decode(errors="replace")
-            found = _found(text, started)
-            if found:
-                return found
+
+        def exited() -> bool:
             container.reload()
-            if container.status == "exited":
-                tail = "\n".join(text.splitlines()[-15:])
-                raise E2Error(f"the engine in {image} exited before logging its KV cache "
-                              f"size for {model.name}:\n{tail}")
-            time.sleep(1)
-        raise E2Error(f"no KV cache size line from {image} within {timeout_s:.0f} s")
+            return container.status == "exited"
+
+        return _wait_for_kv_line(lambda: container.logs().decode(errors="replace"), exited,
+                                 f"the engine in {image}", model, timeout_s)
     finally:
         container.remove(force=True)
 
@@ -117,22 +128,13 @@ def read_boot_line(python: Path, model: Path, settings, env: dict[str, str],
         raise E2Error("--boot runs one engine process on this host: use --tp 1 "
                       "(or --docker on the GPU host)")
     env = {k: v for k, v in env.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # would override
-    started = time.monotonic()
     with tempfile.NamedTemporaryFile("w+", prefix="e2-boot-", suffix=".log") as log:
         process = subprocess.Popen(boot_command(python, model, settings), env=env,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            while time.monotonic() - started < timeout_s:
-                text = Path(log.name).read_text(errors="replace")
-                found = _found(text, started)
-                if found:
-                    return found
-                if process.poll() is not None:
-                    tail = "\n".join(text.splitlines()[-15:])
-                    raise E2Error(f"the engine exited ({process.returncode}) before logging its "
-                                  f"KV cache size for {model.name}:\n{tail}")
-                time.sleep(1)
-            raise E2Error(f"no KV cache size line from {model.name} within {timeout_s:.0f} s")
+            return _wait_for_kv_line(lambda: Path(log.name).read_text(errors="replace"),
+                                     lambda: process.poll() is not None, "the engine", model,
+                                     timeout_s)
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
