@@ -638,6 +638,14 @@ E2_SWITCHES: dict[str, E2Switch] = {
             doc="Log the E2 series digest and every switch value "
             "when the engine starts.",
         ),
+        E2Switch(
+            name="VLLM_E2_STATE_POOL",
+            default=True,
+            read_in="vllm/v1/core/state_pool.py",
+            compiled=False,
+            doc="Hybrid models: attention at the backend's natural block size, "
+            "cut from the state-sized pages of the shared pool.",
+        ),
     )
 }
 

@@ -1,0 +1,412 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM E2: exact-size request state for hybrid models (VLLM_E2_STATE_POOL).
+
+Upstream plans a hybrid model with one pool of equal pages: the attention block
+is raised until one attention page holds one Mamba/GDN state (Qwen3.5-0.8B:
+544 tokens instead of the backend's 16), so every request rounds its attention
+up to that coarse block. Here the pool keeps upstream's state-sized pages, and
+a page handed to attention is cut into ``blocks_per_page`` blocks of the
+backend's natural size (a slab):
+
+* a request's state takes one page per state group, as upstream;
+* attention takes natural-size blocks; a slab page returns to the pool once
+  all its blocks are free, so memory still flows between state and attention
+  as the workload changes, which a fixed split sized for max_num_seqs cannot.
+
+Three pieces, each used at one place of upstream's code:
+
+* ``cut_attention_slabs``: the planner's last step (``get_kv_cache_configs``);
+  it rewrites the attention groups and their tensors, leaving every byte where
+  upstream placed it.
+* ``PagePool`` / ``SlabPool``: the coordinator's block pools; admission is
+  counted in pages (``pages_needed``).
+* ``KVCacheTensor.blocks_per_page`` / ``KVCacheGroupSpec.blocks_per_page``:
+  what the workers read to view each attention layer as natural blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+logger = init_logger(__name__)
+
+
+# ---------------------------------------------------------------- planning
+
+
+def slab_ineligibility(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> str | None:
+    """Why this model keeps upstream's shared pool, or None when it can slab.
+
+    Features that address every group's blocks by one id space (KV connectors,
+    HiSparse, decode/prefill context parallel, hidden-state layers, Mamba mode
+    ``all``) and layouts whose blocks hold several layers keep upstream's path.
+    """
+    from vllm import envs
+
+    if not envs.VLLM_E2_STATE_POOL:
+        return "VLLM_E2_STATE_POOL=0"
+    groups = kv_cache_config.kv_cache_groups
+    state = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    attention = [g for g in groups if type(g.kv_cache_spec) is FullAttentionSpec]
+    if not state or not attention:
+        return "not a hybrid attention/state model"
+    if len(state) + len(attention) != len(groups):
+        return "a KV cache group is neither full attention nor Mamba state"
+    modes = {g.kv_cache_spec.mamba_cache_mode for g in state}
+    if not modes <= {"none", "align"}:
+        return f"mamba_cache_mode {'/'.join(sorted(modes))}"
+    if vllm_config.kv_transfer_config is not None:
+        return "a KV connector addresses all groups by one block id space"
+    if vllm_config.attention_config.hisparse_config is not None:
+        return "HiSparse"
+    parallel = vllm_config.parallel_config
+    if parallel.decode_context_parallel_size > 1:
+        return "decode context parallel"
+    if getattr(parallel, "prefill_context_parallel_size", 1) > 1:
+        return "prefill context parallel"
+    if kv_cache_config.kv_cache_groups and any(
+        t.host_resident for t in kv_cache_config.kv_cache_tensors
+    ):
+        return "host-resident KV cache tensors"
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    if layout.is_block_outermost:
+        return f"KV cache layout {layout.name} packs several layers per block"
+    natural = vllm_config.cache_config.e2_attention_block_size
+    if natural is None:
+        return "the attention backend's natural block size is unknown"
+    for group in attention:
+        spec = group.kv_cache_spec
+        if spec.page_size_padded is not None:
+            return "padded attention pages"
+        if spec.block_size % natural or spec.block_size == natural:
+            return (
+                f"attention block {spec.block_size} is not a multiple of "
+                f"{natural} above it"
+            )
+    return None
+
+
+def cut_attention_slabs(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> KVCacheConfig:
+    """Attention groups and tensors at the backend's natural block size.
+
+    A pool page (one state, or ``k`` attention blocks) keeps its bytes; the
+    attention layers' views just see ``k`` times as many blocks of ``1/k`` the
+    size, which is exact for layer-outermost layouts where a page is dense.
+    """
+    reason = slab_ineligibility(vllm_config, kv_cache_config)
+    if reason is not None:
+        if reason != "VLLM_E2_STATE_POOL=0":
+            logger.info_once("E2 state pool off: %s; upstream's shared pool.", reason)
+        return kv_cache_config
+    natural = vllm_config.cache_config.e2_attention_block_size
+    groups: list[KVCacheGroupSpec] = []
+    slab_layers: dict[str, int] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            groups.append(group)
+            continue
+        k = spec.block_size // natural
+        groups.append(
+            replace(
+                group,
+                kv_cache_spec=replace(spec, block_size=natural),
+                blocks_per_page=k,
+            )
+        )
+        slab_layers.update((name, k) for name in group.layer_names)
+    tensors = []
+    for tensor in kv_cache_config.kv_cache_tensors:
+        k = {slab_layers.get(name, 1) for name in tensor.layers}
+        assert len(k) == 1, "a tensor mixes attention and state layers"
+        k = k.pop()
+        if k == 1:
+            tensors.append(tensor)
+            continue
+        assert tensor.block_stride % k == 0
+        tensors.append(
+            replace(tensor, block_stride=tensor.block_stride // k, blocks_per_page=k)
+        )
+    return replace(kv_cache_config, kv_cache_groups=groups, kv_cache_tensors=tensors)
+
+
+def slab_blocks_per_page(kv_cache_config: KVCacheConfig) -> int:
+    """Attention blocks per pool page (1: upstream's shared pool)."""
+    sizes = {g.blocks_per_page for g in kv_cache_config.kv_cache_groups}
+    sizes.discard(1)
+    assert len(sizes) <= 1, "attention groups cut pages differently"
+    return sizes.pop() if sizes else 1
+
+
+# ---------------------------------------------------------------- pools
+
+
+class _PagedFreeQueue(FreeKVCacheBlockQueue):
+    """The slab's free queue, counting free blocks per page as it changes.
+
+    Every BlockPool operation goes through these methods, so the counts stay
+    exact without touching BlockPool's own logic.
+    """
+
+    def __init__(self, blocks_per_page: int, num_pages: int) -> None:
+        super().__init__([])
+        self.blocks_per_page = blocks_per_page
+        self.free_in_page = [0] * num_pages
+        # Pages by their number of free blocks, 1..k (k: idle pages).
+        self.pages_with_free: list[set[int]] = [set() for _ in range(blocks_per_page + 1)]
+
+    def _count(self, block: KVCacheBlock, delta: int) -> None:
+        page = block.block_id // self.blocks_per_page
+        before = self.free_in_page[page]
+        after = before + delta
+        self.free_in_page[page] = after
+        if before:
+            self.pages_with_free[before].discard(page)
+        if after:
+            self.pages_with_free[after].add(page)
+
+    def popleft(self) -> KVCacheBlock:
+        block = super().popleft()
+        self._count(block, -1)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        blocks = super().popleft_n(n)
+        for block in blocks:
+            self._count(block, -1)
+        return blocks
+
+    def remove(self, block: KVCacheBlock) -> None:
+        super().remove(block)
+        self._count(block, -1)
+
+    def append(self, block: KVCacheBlock) -> None:
+        super().append(block)
+        self._count(block, 1)
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        super().append_n(blocks)
+        for block in blocks:
+            self._count(block, 1)
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        super().prepend_n(blocks)
+        for block in blocks:
+            self._count(block, 1)
+
+    @property
+    def idle_pages(self) -> set[int]:
+        return self.pages_with_free[self.blocks_per_page]
+
+
+class SlabPool(BlockPool):
+    """Natural-size attention blocks cut from pages of a PagePool.
+
+    Block ``b`` lies in page ``b // k``. The slab holds a page while any of its
+    blocks is in use or still cached; an idle page (all ``k`` blocks free)
+    without cached blocks goes straight back, an idle page with cached blocks
+    stays until the page pool reclaims it. New blocks come from the fullest
+    held page first, so pages empty out whole.
+    """
+
+    def __init__(self, pages: PagePool, blocks_per_page: int) -> None:
+        super().__init__(
+            num_gpu_blocks=pages.num_gpu_blocks * blocks_per_page,
+            enable_caching=pages.enable_caching,
+            hash_block_size=pages.hash_block_size,
+            enable_kv_cache_events=pages.enable_kv_cache_events,
+            metrics_collector=pages.metrics_collector,
+            medium=pages.medium,
+        )
+        self.pages = pages
+        self.blocks_per_page = blocks_per_page
+        # Upstream's queue held every block; the slab starts with no page.
+        # Block 0 (in the page pool's null page 0) stays the null block.
+        for block in self.blocks:
+            block.prev_free_block = block.next_free_block = None
+        self.free_block_queue = _PagedFreeQueue(blocks_per_page, pages.num_gpu_blocks)
+        self.page_blocks: dict[int, KVCacheBlock] = {}  # held page id -> its block
+
+    # -- pages in and out
+
+    def _page_of(self, page_id: int) -> list[KVCacheBlock]:
+        k = self.blocks_per_page
+        return self.blocks[page_id * k : (page_id + 1) * k]
+
+    def _take_pages(self, num_pages: int) -> None:
+        for page in self.pages.get_new_blocks(num_pages, from_slab=False):
+            self.page_blocks[page.block_id] = page
+            self.free_block_queue.append_n(self._page_of(page.block_id))
+
+    def _give_back(self, page_ids: Iterable[int]) -> None:
+        pages = []
+        for page_id in list(page_ids):
+            for block in self._page_of(page_id):
+                self.free_block_queue.remove(block)
+                self._maybe_evict_cached_block(block)
+            pages.append(self.page_blocks.pop(page_id))
+        if pages:
+            BlockPool.free_blocks(self.pages, pages)
+
+    def _give_back_uncached_idle_pages(self) -> None:
+        idle = [
+            page_id
+            for page_id in self.free_block_queue.idle_pages
+            if all(b.block_hash is None for b in self._page_of(page_id))
+        ]
+        self._give_back(idle)
+
+    def reclaim(self, num_pages: int) -> int:
+        """Hand up to ``num_pages`` idle pages to the page pool (evicting their
+        cached blocks); returns how many were handed."""
+        idle = list(self.free_block_queue.idle_pages)[:num_pages]
+        self._give_back(idle)
+        return len(idle)
+
+    @property
+    def num_idle_pages(self) -> int:
+        return len(self.free_block_queue.idle_pages)
+
+    @property
+    def num_free_blocks_in_busy_pages(self) -> int:
+        idle = self.num_idle_pages * self.blocks_per_page
+        return self.free_block_queue.num_free_blocks - idle
+
+    # -- BlockPool
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        short = num_blocks - self.free_block_queue.num_free_blocks
+        if short > 0:
+            self._take_pages(cdiv(short, self.blocks_per_page))
+        queue = self.free_block_queue
+        picked: list[KVCacheBlock] = []
+        while len(picked) < num_blocks:
+            # The fullest page that has a free block: pages empty out whole.
+            page_id = next(iter(next(s for s in queue.pages_with_free[1:] if s)))
+            for block in self._page_of(page_id):
+                if block.prev_free_block is not None and len(picked) < num_blocks:
+                    queue.remove(block)
+                    picked.append(block)
+        if self._reuse_watchers:
+            self._notify_reuse(picked)
+        for block in picked:
+            if self.enable_caching:
+                self._maybe_evict_cached_block(block)
+            assert block.ref_cnt == 0
+            block.ref_cnt = 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_allocated(block)
+        return picked
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        super().free_blocks(ordered_blocks)
+        self._give_back_uncached_idle_pages()
+
+    def get_num_free_blocks(self) -> int:
+        return (
+            self.free_block_queue.num_free_blocks
+            + self.pages.get_num_free_blocks(with_slab=False) * self.blocks_per_page
+        )
+
+    def pages_needed(
+        self, num_new_blocks: int, touched: Sequence[KVCacheBlock]
+    ) -> int:
+        """Pool pages an allocation of ``num_new_blocks`` fresh blocks after
+        touching the free cached blocks ``touched`` consumes, exactly as
+        ``touch`` then ``get_new_blocks`` will spend them."""
+        queue = self.free_block_queue
+        k = self.blocks_per_page
+        per_page: dict[int, int] = {}
+        for block in touched:
+            per_page[block.block_id // k] = per_page.get(block.block_id // k, 0) + 1
+        pages = 0
+        available = self.num_free_blocks_in_busy_pages
+        for page_id, count in per_page.items():
+            if queue.free_in_page[page_id] == k:
+                pages += 1  # an idle page, counted free by the page pool
+                available += k - count
+            else:
+                available -= count
+        return pages + cdiv(max(0, num_new_blocks - available), k)
+
+
+def super_reset(pool: BlockPool) -> bool:
+    """Upstream's reset, which counts used blocks against the whole id space."""
+    pool.cached_block_hash_to_block = type(pool.cached_block_hash_to_block)()
+    pool.cached_block_hashes_by_block.clear()
+    for block in pool.blocks:
+        block.reset_hash()
+    if pool.metrics_collector:
+        pool.metrics_collector.reset()
+    if pool.enable_kv_cache_events:
+        from vllm.distributed.kv_events import AllBlocksCleared
+
+        pool.kv_event_queue.append(AllBlocksCleared())
+    return True
+
+
+class PagePool(BlockPool):
+    """The pool of state-sized pages: states take pages, the slab takes pages
+    for attention. Pages the slab holds idle count as free and are reclaimed
+    when states or the slab need them."""
+
+    slab: SlabPool
+
+    def attach_slab(self, blocks_per_page: int) -> SlabPool:
+        self.slab = SlabPool(self, blocks_per_page)
+        return self.slab
+
+    def get_num_free_blocks(self, with_slab: bool = True) -> int:
+        free = self.free_block_queue.num_free_blocks
+        if with_slab:
+            free += self.slab.num_idle_pages
+        return free
+
+    def get_new_blocks(
+        self, num_blocks: int, from_slab: bool = True
+    ) -> list[KVCacheBlock]:
+        short = num_blocks - self.free_block_queue.num_free_blocks
+        if short > 0 and from_slab:
+            self.slab.reclaim(short)
+        return super().get_new_blocks(num_blocks)
+
+    def get_usage(self) -> float:
+        """Pages in use, a slab page counting by its used blocks."""
+        total = self.num_gpu_blocks - 1
+        if not total:
+            return 0
+        slab_free = self.slab.free_block_queue.num_free_blocks / self.slab.blocks_per_page
+        return 1.0 - (self.free_block_queue.num_free_blocks + slab_free) / total
+
+    def take_events(self):  # type: ignore[no-untyped-def]
+        return super().take_events() + self.slab.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        if self.slab.free_block_queue.num_free_blocks != (
+            len(self.slab.page_blocks) * self.slab.blocks_per_page
+        ):
+            logger.warning("Failed to reset prefix cache: attention blocks in use")
+            return False
+        super_reset(self.slab)
+        self.slab._give_back_uncached_idle_pages()
+        return super().reset_prefix_cache()
