@@ -505,6 +505,9 @@ class AttentionSpec(KVCacheSpec):
     """Tokens covered by one stored state. Ints > 1 compress multiple tokens
     into one state (DSv4 sparse MLA); fractions < 1 store multiple states per
     token (Whisper block pooling: ``Fraction(1, block_pool_size)``)."""
+    e2_natural_block_size: int | None = None
+    """vLLM E2: the attention backend's smallest kernel block, carried from the
+    workers to the planner for attention slabs (vllm/v1/core/state_pool.py)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -628,6 +631,7 @@ class FullAttentionSpec(AttentionSpec):
             num_head_slots=specs[0].num_head_slots,
             state_content_bytes=specs[0].state_content_bytes,
             tokens_per_state=specs[0].tokens_per_state,
+            e2_natural_block_size=specs[0].e2_natural_block_size,
             sliding_window=cls.merge_window_sizes(sliding_window),
             attention_chunk_size=cls.merge_window_sizes(attention_chunk_size),
             # If any layer in the group is non-causal, treat the group as

@@ -109,6 +109,10 @@ class KVCacheCoordinator(ABC):
             if isinstance(self.block_pool, PagePool)
             else None
         )
+        # Slab blocks the running requests' decode headroom may still take;
+        # set by the scheduler before admitting, counted by admission only.
+        self.slab_reserved_blocks = 0
+        self.max_model_len = max_model_len
 
         # KV cache group indices that get the EAGLE last-block drop.
         self.eagle_group_ids: set[int] = {
@@ -264,6 +268,8 @@ class KVCacheCoordinator(ABC):
                     prefill_end=prefill_end,
                 )
         if self.slab_pool is not None:
+            if apply_admission_cap:
+                slab_new_blocks += self.slab_reserved_blocks
             num_blocks_to_allocate += self.slab_pool.pages_needed(
                 slab_new_blocks, slab_touched
             )

@@ -2472,6 +2472,9 @@ def update_kv_cache_capacity(
         f"{max_model_len:,}",
         max_concurrency,
     )
+    from vllm.v1.core.state_pool import log_slab_capacity
+
+    log_slab_capacity(vllm_config, kv_cache_config, max_concurrency)
 
 
 def _max_memory_usage_bytes_from_groups(

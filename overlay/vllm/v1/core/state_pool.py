@@ -42,7 +42,9 @@ from vllm.v1.kv_cache_interface import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+    from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
@@ -89,7 +91,7 @@ def slab_ineligibility(
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
     if layout.is_block_outermost:
         return f"KV cache layout {layout.name} packs several layers per block"
-    natural = vllm_config.cache_config.e2_attention_block_size
+    natural = natural_block_size(vllm_config, attention)
     if natural is None:
         return "the attention backend's natural block size is unknown"
     for group in attention:
@@ -102,6 +104,19 @@ def slab_ineligibility(
                 f"{natural} above it"
             )
     return None
+
+
+def natural_block_size(
+    vllm_config: VllmConfig, attention: list[KVCacheGroupSpec]
+) -> int | None:
+    """The backend's smallest kernel block: from the specs the workers sent
+    (set where _align_hybrid_block_size ran), else from this process's cache
+    config (planning in-process, as the capacity probe does)."""
+    sizes = {g.kv_cache_spec.e2_natural_block_size for g in attention}
+    sizes.discard(None)
+    if len(sizes) > 1:
+        return None
+    return sizes.pop() if sizes else vllm_config.cache_config.e2_attention_block_size
 
 
 def cut_attention_slabs(
@@ -118,7 +133,11 @@ def cut_attention_slabs(
         if reason != "VLLM_E2_STATE_POOL=0":
             logger.info_once("E2 state pool off: %s; upstream's shared pool.", reason)
         return kv_cache_config
-    natural = vllm_config.cache_config.e2_attention_block_size
+    natural = natural_block_size(
+        vllm_config,
+        [g for g in kv_cache_config.kv_cache_groups if type(g.kv_cache_spec) is FullAttentionSpec],
+    )
+    assert natural is not None
     groups: list[KVCacheGroupSpec] = []
     slab_layers: dict[str, int] = {}
     for group in kv_cache_config.kv_cache_groups:
@@ -150,12 +169,75 @@ def cut_attention_slabs(
     return replace(kv_cache_config, kv_cache_groups=groups, kv_cache_tensors=tensors)
 
 
+def log_slab_capacity(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, max_concurrency: float
+) -> None:
+    """The boot line's E2 companion: attention tokens and request states, each
+    true on its own, and the concurrency that counts both."""
+    k = slab_blocks_per_page(kv_cache_config)
+    if k == 1:
+        return
+    usable = kv_cache_config.num_blocks - 1  # page 0 is the null page
+    state_pages = 0
+    attention_tokens = 0
+    page_bytes = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        page_bytes = max(
+            page_bytes, len(group.layer_names) * spec.page_size_bytes * group.blocks_per_page
+        )
+        if group.blocks_per_page > 1:
+            attention_tokens = usable * group.blocks_per_page * spec.block_size
+        else:
+            state_pages += cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
+    logger.info_once(
+        "vLLM E2 state pool: %s pages of %.2f MiB; attention up to %s tokens "
+        "(%d-token blocks, %d per page); request state %d pages, up to %s "
+        "requests; maximum concurrency for %s tokens per request: %.2fx "
+        "(state and attention counted)",
+        f"{usable:,}",
+        page_bytes / (1 << 20),
+        f"{attention_tokens:,}",
+        attention_tokens // (usable * k),
+        k,
+        state_pages,
+        f"{usable // max(state_pages, 1):,}",
+        f"{vllm_config.model_config.max_model_len:,}",
+        max_concurrency,
+    )
+
+
 def slab_blocks_per_page(kv_cache_config: KVCacheConfig) -> int:
     """Attention blocks per pool page (1: upstream's shared pool)."""
     sizes = {g.blocks_per_page for g in kv_cache_config.kv_cache_groups}
     sizes.discard(1)
     assert len(sizes) <= 1, "attention groups cut pages differently"
     return sizes.pop() if sizes else 1
+
+
+# ---------------------------------------------------------------- admission
+
+# Decode tokens a request's admission keeps room for, beyond its prompt: all of
+# a short max_tokens, at most this much of a long one. Upstream's coarse
+# attention block hid some decode growth in its slack; natural blocks do not,
+# so without this a full pool preempts as soon as decodes cross a block.
+DECODE_HEADROOM_TOKENS = 128
+
+
+def decode_headroom(request: Request) -> int:
+    """Decode tokens still ahead of ``request``, up to DECODE_HEADROOM_TOKENS."""
+    return max(0, min(request.max_tokens - request.num_output_tokens, DECODE_HEADROOM_TOKENS))
+
+
+def decode_growth_blocks(coordinator: KVCacheCoordinator, request: Request) -> int:
+    """Slab blocks a running request may still take for its decode headroom."""
+    horizon = min(request.num_tokens + decode_headroom(request), coordinator.max_model_len)
+    blocks = 0
+    for manager in coordinator.single_type_managers:
+        if manager.block_pool is coordinator.slab_pool:
+            held = len(manager.req_to_blocks.get(request.request_id, ()))
+            blocks += max(0, cdiv(horizon, manager.block_size) - held)
+    return blocks
 
 
 # ---------------------------------------------------------------- pools
