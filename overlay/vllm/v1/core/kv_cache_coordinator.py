@@ -18,7 +18,11 @@ from vllm.v1.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
 )
-from vllm.v1.core.state_pool import PagePool, slab_blocks_per_page
+from vllm.v1.core.state_pool import (
+    PagePool,
+    align_boundary_pages,
+    slab_blocks_per_page,
+)
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,
@@ -109,9 +113,11 @@ class KVCacheCoordinator(ABC):
             if isinstance(self.block_pool, PagePool)
             else None
         )
-        # Slab blocks the running requests' decode headroom may still take;
-        # set by the scheduler before admitting, counted by admission only.
+        # What the running requests may still take: slab blocks for their
+        # decode headroom, pages for align-mode boundary states. Set by the
+        # scheduler before admitting, counted by admission only.
         self.slab_reserved_blocks = 0
+        self.reserved_state_pages = 0
         self.max_model_len = max_model_len
 
         # KV cache group indices that get the EAGLE last-block drop.
@@ -270,6 +276,9 @@ class KVCacheCoordinator(ABC):
         if self.slab_pool is not None:
             if apply_admission_cap:
                 slab_new_blocks += self.slab_reserved_blocks
+                num_blocks_to_allocate += self.reserved_state_pages + (
+                    align_boundary_pages(self)
+                )
             num_blocks_to_allocate += self.slab_pool.pages_needed(
                 slab_new_blocks, slab_touched
             )

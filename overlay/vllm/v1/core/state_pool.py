@@ -229,6 +229,35 @@ def decode_headroom(request: Request) -> int:
     return max(0, min(request.max_tokens - request.num_output_tokens, DECODE_HEADROOM_TOKENS))
 
 
+def align_boundary_pages(coordinator: KVCacheCoordinator) -> int:
+    """Pages a request may hold beyond one state per group: in mamba `align`
+    mode a state group takes a second block when a request crosses a block
+    boundary (its first decode after the prefill checkpoint included) before
+    the old one is freed. Upstream's admission does not count it and
+    over-admits, then preempts."""
+    return sum(
+        1
+        for manager in coordinator.single_type_managers
+        if isinstance(manager.kv_cache_spec, MambaSpec)
+        and manager.kv_cache_spec.mamba_cache_mode == "align"
+    )
+
+
+def boundary_state_pages(coordinator: KVCacheCoordinator, request: Request) -> int:
+    """Pages ``request`` may take for align-mode boundary states within its
+    decode headroom: one per align group before its first decode (the state
+    leaves the prefill's checkpoint block) or when the headroom crosses a state
+    block boundary, and none otherwise."""
+    pages = 0
+    horizon = request.num_tokens + decode_headroom(request)
+    for manager in coordinator.single_type_managers:
+        spec = manager.kv_cache_spec
+        if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
+            crosses = request.num_tokens // spec.block_size != horizon // spec.block_size
+            pages += int(request.num_output_tokens == 0 or crosses)
+    return pages
+
+
 def decode_growth_blocks(coordinator: KVCacheCoordinator, request: Request) -> int:
     """Slab blocks a running request may still take for its decode headroom."""
     horizon = min(request.num_tokens + decode_headroom(request), coordinator.max_model_len)
@@ -409,6 +438,10 @@ class SlabPool(BlockPool):
             self.free_block_queue.num_free_blocks
             + self.pages.get_num_free_blocks(with_slab=False) * self.blocks_per_page
         )
+
+    def reset_prefix_cache(self) -> bool:
+        # The page pool resets both: the slab's blocks, then the pages.
+        return self.pages.reset_prefix_cache()
 
     def pages_needed(
         self, num_new_blocks: int, touched: Sequence[KVCacheBlock]

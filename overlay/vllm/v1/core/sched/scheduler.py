@@ -53,7 +53,7 @@ from vllm.v1.core.sched.request_queue import (
     create_request_queue,
 )
 from vllm.v1.core.sched.utils import check_stop, remove_all
-from vllm.v1.core.state_pool import decode_growth_blocks
+from vllm.v1.core.state_pool import boundary_state_pages, decode_growth_blocks
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
@@ -873,9 +873,13 @@ class Scheduler(SchedulerInterface):
         # Next, schedule the WAITING requests.
         coordinator = self.kv_cache_manager.coordinator
         if coordinator.slab_pool is not None:
-            # vLLM E2: admission keeps the running requests' decode headroom.
+            # vLLM E2: admission keeps what the running requests may still
+            # take (state_pool.py).
             coordinator.slab_reserved_blocks = sum(
                 decode_growth_blocks(coordinator, req) for req in self.running
+            )
+            coordinator.reserved_state_pages = sum(
+                boundary_state_pages(coordinator, req) for req in self.running
             )
         if not preempted_reqs and self._pause_state == PauseState.UNPAUSED:
             step_skipped_waiting: deque[Request] = deque()
@@ -1299,6 +1303,9 @@ class Scheduler(SchedulerInterface):
                 self.running.append(request)
                 if coordinator.slab_pool is not None:
                     coordinator.slab_reserved_blocks += decode_growth_blocks(
+                        coordinator, request
+                    )
+                    coordinator.reserved_state_pages += boundary_state_pages(
                         coordinator, request
                     )
                 if num_external_computed_tokens > 0:
