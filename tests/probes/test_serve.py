@@ -126,11 +126,16 @@ def test_cases_follow_the_block_size_and_capacity():
     small = serve.build_cases(16, 200)
     assert [len(c.prompts[0]) for c in small[:3]] == [15, 16, 17]
     big = serve.build_cases(256, 3000)
-    assert [len(c.prompts[0]) for c in big[:3]] == [255, 256, 257]
+    # Edges of the engine's block and of the kernel blocks below it (E2's
+    # natural attention blocks).
+    assert serve.edge_blocks(256) == [256, 128, 64, 32, 16]
+    assert serve.edge_blocks(544) == [544, 256, 128, 64, 32, 16]
+    assert [len(c.prompts[0]) for c in big[:15]] == [
+        n + d for n in (256, 128, 64, 32, 16) for d in (-1, 0, 1)]
     over = big[-1]
     assert over.concurrent and len(over.prompts) * (len(over.prompts[0]) + over.max_tokens) > 3000
     shared = min(3 * 256, serve.MAX_MODEL_LEN // 2)  # three blocks, within max-model-len
-    prefix = big[3]
+    prefix = big[15]
     assert prefix.prompts[0][:shared] == prefix.prompts[1][:shared]
     assert prefix.prompts[0][shared:] != prefix.prompts[1][shared:]
 

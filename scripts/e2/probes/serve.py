@@ -551,13 +551,24 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
+def edge_blocks(block: int) -> list[int]:
+    """The block sizes whose edges the cases probe: the engine's, and the kernel
+    block sizes below it (powers of two from 256 down to 16), where E2's
+    natural attention block lies (16 with FlashAttention, 32 on the CPU)."""
+    return [block] + [size for size in (256, 128, 64, 32, 16) if size < block]
+
+
 def build_cases(block: int, capacity: int, max_model_len: int = MAX_MODEL_LEN,
                 seed: int = SEED) -> list[Case]:
-    """The cases for an engine with this block size and KV capacity (tokens)."""
+    """The cases for a stock engine with this block size and KV capacity (tokens);
+    both sides run the same ones."""
     rng = random.Random(seed)
-    cases = [Case(f"len-block{d:+d}".replace("+0", ""), f"one prompt of {block + d} tokens "
-                  f"(block {block}{d:+d})".replace("+0)", ")"), [_tokens(rng, block + d)],
-                  MAX_TOKENS) for d in (-1, 0, 1)]
+    cases = []
+    for edge in edge_blocks(block):
+        name = "len-block" if edge == block else f"len-{edge}"
+        cases += [Case(f"{name}{d:+d}".replace("+0", ""), f"one prompt of {edge + d} tokens "
+                       f"(block {edge}{d:+d})".replace("+0)", ")"), [_tokens(rng, edge + d)],
+                       MAX_TOKENS) for d in (-1, 0, 1)]
     prefix_len = min(3 * block, max_model_len // 2)
     prefix = _tokens(rng, prefix_len)
     cases.append(Case("shared-prefix", f"two requests, one after the other, sharing a "
@@ -621,8 +632,12 @@ def complete(request: dict, max_tokens: int) -> bool:
 # ---------------------------------------------------------------- a side
 
 
-def run_side(runner, side: str) -> dict:
-    """Both modes on one side: its engines' reports and each case's outputs."""
+def run_side(runner, side: str, plan: dict[str, int]) -> dict:
+    """Both modes on one side: its engines' reports and each case's outputs.
+
+    ``plan`` holds the block size and KV capacity the cases are built for: the
+    first engine started fills it, so both sides run the same prompts even
+    where E2's blocks differ from stock's."""
     result: dict = {"modes": {}}
     for mode in MODES:
         with contextlib.ExitStack() as stack:
@@ -645,7 +660,9 @@ def run_side(runner, side: str) -> dict:
                 console.info(f"{side} async: the engine resolved async_scheduling="
                              f"{info.async_resolved}; async cases {why}")
             else:
-                cases = build_cases(info.block_size, info.kv_capacity_tokens)
+                plan.setdefault("block", info.block_size)
+                plan.setdefault("capacity", info.kv_capacity_tokens)
+                cases = build_cases(plan["block"], plan["capacity"])
                 entry["cases"] = {}
                 for case in cases:
                     with console.status(f"{side} {mode}: {case.name}"):
@@ -887,7 +904,8 @@ def run_serve(args: argparse.Namespace) -> int:
         runner, model, name = _docker_runner(args, project, series, logs)
     else:
         runner, model, name = _local_runner(args, project, series, logs)
-    sides = {side: run_side(runner, side) for side in SIDES}
+    plan: dict[str, int] = {}
+    sides = {side: run_side(runner, side, plan) for side in SIDES}
     device = sides["stock"].get("device") or _cpu_name()
     record = {"format": FORMAT, "header": _header(args, project, series, runner, model, device,
                                                  time.monotonic() - started),
