@@ -1000,6 +1000,12 @@ class Platform:
 
         if cache_config.mamba_cache_mode == "align":
             cache_config.mamba_block_size = cache_config.block_size
+            # vLLM E2: prefix-cache hits at a finer state block (state_pool.py).
+            from vllm.v1.core.state_pool import align_state_block_size
+
+            cache_config.mamba_block_size = align_state_block_size(
+                vllm_config, cache_config.block_size
+            )
 
         # Pad mamba page size to exactly match attention page size
         attn_page_size = cache_config.block_size * attn_page_size_1_token

@@ -902,15 +902,23 @@ class KVCacheManager:
     ) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
         """Drain pending copies and return their retained endpoints."""
         pending_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        copies: list[KVCacheBlockCopy] = []
         for mgr in self.coordinator.single_type_managers:
-            pending_copies.extend(mgr.take_pending_cow_copies())
-        copies = [
-            KVCacheBlockCopy(
-                src_block_id=source_block.block_id,
-                dst_block_id=cow_block.block_id,
+            mgr_copies = mgr.take_pending_cow_copies()
+            pending_copies.extend(mgr_copies)
+            # vLLM E2: attention slab blocks travel past the pages' ids.
+            shift = (
+                self.kv_cache_config.num_blocks
+                if mgr.block_pool is self.coordinator.slab_pool
+                else 0
             )
-            for source_block, cow_block in pending_copies
-        ]
+            copies += [
+                KVCacheBlockCopy(
+                    src_block_id=source_block.block_id + shift,
+                    dst_block_id=cow_block.block_id + shift,
+                )
+                for source_block, cow_block in mgr_copies
+            ]
         retained_blocks = [block for pair in pending_copies for block in pair]
         return copies, retained_blocks
 

@@ -119,6 +119,34 @@ def natural_block_size(
     return sizes.pop() if sizes else vllm_config.cache_config.e2_attention_block_size
 
 
+# In mamba `align` mode a request's state is kept at every state block
+# boundary, and prefix-cache hits land only there.
+ALIGN_STATE_BLOCK_TOKENS = 256
+
+
+def align_state_block_size(vllm_config: VllmConfig, attention_block: int) -> int:
+    """The state block of mamba `align` mode: upstream's is the raised
+    attention block (Qwen3.5-0.8B: 544 tokens); with attention slabs it can be
+    ALIGN_STATE_BLOCK_TOKENS, a multiple of the natural attention block, so
+    prefix hits come at least that often. Settings that keep upstream's pool
+    whatever the layout keep upstream's state block too."""
+    from vllm import envs
+
+    natural = vllm_config.cache_config.e2_attention_block_size
+    parallel = vllm_config.parallel_config
+    if (
+        not envs.VLLM_E2_STATE_POOL
+        or natural is None
+        or vllm_config.kv_transfer_config is not None
+        or vllm_config.attention_config.hisparse_config is not None
+        or parallel.decode_context_parallel_size > 1
+        or getattr(parallel, "prefill_context_parallel_size", 1) > 1
+    ):
+        return attention_block
+    block = ALIGN_STATE_BLOCK_TOKENS // natural * natural
+    return block if natural <= block < attention_block else attention_block
+
+
 def cut_attention_slabs(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
 ) -> KVCacheConfig:

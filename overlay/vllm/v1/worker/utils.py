@@ -695,9 +695,30 @@ def copy_kv_cache_blocks_inplace(
     kv_caches: Iterable[torch.Tensor],
     num_blocks: int,
     kv_cache_block_copies: Sequence[KVCacheBlockCopy],
+    slab_blocks_per_page: int = 1,
 ) -> None:
     if not kv_cache_block_copies:
         return
+    if slab_blocks_per_page > 1:
+        # vLLM E2: ids past num_blocks are attention slab blocks (state_pool.py):
+        # copied block by block in the slab views, whose dim 0 counts them;
+        # the rest are pool pages, copied whole as upstream does.
+        kv_caches = list(kv_caches)
+        slab = [
+            KVCacheBlockCopy(c.src_block_id - num_blocks, c.dst_block_id - num_blocks)
+            for c in kv_cache_block_copies
+            if c.src_block_id >= num_blocks
+        ]
+        pages = [c for c in kv_cache_block_copies if c.src_block_id < num_blocks]
+        slab_views = [
+            cache for cache in kv_caches if cache.shape[0] == num_blocks * slab_blocks_per_page
+        ]
+        copy_kv_cache_blocks_inplace(
+            slab_views, num_blocks * slab_blocks_per_page, slab
+        )
+        kv_cache_block_copies = pages
+        if not pages:
+            return
 
     indices_np = np.array(kv_cache_block_copies, dtype=np.int64)
     indices: torch.Tensor | None = None
