@@ -26,6 +26,7 @@ Three pieces, each used at one place of upstream's code:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -407,18 +408,19 @@ class SlabPool(BlockPool):
         if pages:
             BlockPool.free_blocks(self.pages, pages)
 
-    def _give_back_uncached_idle_pages(self) -> None:
-        idle = [
+    def _give_back_uncached_idle_pages(self, page_ids: Iterable[int]) -> None:
+        idle = self.free_block_queue.idle_pages
+        self._give_back(
             page_id
-            for page_id in self.free_block_queue.idle_pages
-            if all(b.block_hash is None for b in self._page_of(page_id))
-        ]
-        self._give_back(idle)
+            for page_id in set(page_ids)
+            if page_id in idle
+            and all(b.block_hash is None for b in self._page_of(page_id))
+        )
 
     def reclaim(self, num_pages: int) -> int:
         """Hand up to ``num_pages`` idle pages to the page pool (evicting their
         cached blocks); returns how many were handed."""
-        idle = list(self.free_block_queue.idle_pages)[:num_pages]
+        idle = list(itertools.islice(self.free_block_queue.idle_pages, num_pages))
         self._give_back(idle)
         return len(idle)
 
@@ -458,8 +460,12 @@ class SlabPool(BlockPool):
         return picked
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        super().free_blocks(ordered_blocks)
-        self._give_back_uncached_idle_pages()
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
+        k = self.blocks_per_page
+        self._give_back_uncached_idle_pages(
+            b.block_id // k for b in blocks if b.pool is self and not b.is_null
+        )
 
     def get_num_free_blocks(self) -> int:
         return (
@@ -551,5 +557,5 @@ class PagePool(BlockPool):
             logger.warning("Failed to reset prefix cache: attention blocks in use")
             return False
         super_reset(self.slab)
-        self.slab._give_back_uncached_idle_pages()
+        self.slab.reclaim(len(self.slab.page_blocks))
         return super().reset_prefix_cache()
