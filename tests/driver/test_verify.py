@@ -126,4 +126,4 @@ def test_status_reports_pin_patches_and_sync(e2):
     patch = next(e2.project.patches_dir.glob("0001-*"))
     patch.write_text(patch.read_text() + "\n")
     _, out, _ = e2("status", expect=1)
-    assert "overlay/ was built from another series (run e2 overlay)" in out
+    assert "out of sync: overlay/ was made from series " in out
