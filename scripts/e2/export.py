@@ -22,7 +22,7 @@ from e2.faults import checkpoint
 from e2.fsio import read_tree, replace_dir, write_atomic
 from e2.gitops import (FORMAT_PATCH_FLAGS, open_worktree, require_clean, stable_git,
                        worktree_base)
-from e2.series import Patch, Project, Series, dump_series, slugify
+from e2.series import Patch, Project, Series, render_series, slugify
 
 
 @dataclass
@@ -115,9 +115,9 @@ def export_series(project: Project, series: Series, source: Path) -> ExportResul
 
     data = series.model_dump(mode="json")
     data["patches"] = entries
-    text = dump_series(data)
-    changed = (read_tree(project.patches_dir, "*.patch") != contents
-               or project.series_file.read_text(encoding="utf-8") != text)
+    previous = project.series_file.read_text(encoding="utf-8")
+    text = render_series(data, previous)  # the user's comments stay
+    changed = (read_tree(project.patches_dir, "*.patch") != contents or previous != text)
     if changed:
         # killed between the two writes, a second export finishes the job: the
         # commits it reads are still in the worktree

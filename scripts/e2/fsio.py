@@ -29,7 +29,7 @@ def _staging(target: Path) -> tuple[Path, Path]:
     return target.with_name(f".{target.name}.new"), target.with_name(f".{target.name}.old")
 
 
-def _refuse_link(path: Path) -> None:
+def refuse_link(path: Path) -> None:
     if path.is_symlink():
         raise E2Error(f"{path} is a symbolic link; e2 writes it as a directory of its own",
                       hint=f"remove the link (rm {path}) and run the command again")
@@ -58,7 +58,7 @@ def replace_dir(target: Path, contents: dict[str, bytes]) -> None:
     renames; ``recover_dir`` repairs the one window between them.
     """
     recover_dir(target)
-    _refuse_link(target)
+    refuse_link(target)
     new, old = _staging(target)
     try:
         new.mkdir(parents=True)  # an empty ``contents`` still makes an (empty) directory

@@ -24,7 +24,7 @@ from e2 import manifest as manifest_file
 from e2.apply import AppliedTree, UpstreamOptions, apply_series
 from e2.errors import E2Error
 from e2.faults import checkpoint
-from e2.fsio import read_tree, recover_dir, replace_dir
+from e2.fsio import read_tree, recover_dir, refuse_link, replace_dir
 from e2.series import Project, Series, series_digest
 
 PACKAGE = "vllm"
@@ -275,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_locked(project: Project, series: Series, upstream: UpstreamOptions) -> int:
+    refuse_link(project.overlay_dir)
     recover_dir(project.overlay_dir)
     with ScratchTree(project, series, upstream) as tree:
         plan = plan_overlay(series, project, tree)

@@ -37,7 +37,7 @@ from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.fsio import read_tree, replace_dir, write_atomic
 from e2.gitops import COMMITTER_ENV, clone_worktree
-from e2.series import (RELEASE_VERSION, Patch, Project, Series, Upstream, dump_series,
+from e2.series import (RELEASE_VERSION, Patch, Project, Series, Upstream, render_series,
                        load_series, slugify)
 from e2.verify import verify
 
@@ -387,7 +387,9 @@ class Rebase:
         new_series = Series.model_validate(data)
         checkpoint("before-write")
         replace_dir(self.project.patches_dir, contents)
-        write_atomic(self.project.series_file, dump_series(new_series))
+        previous = (self.backup / "series.yaml").read_text(encoding="utf-8")
+        write_atomic(self.project.series_file,
+                     render_series(new_series.model_dump(mode="json"), previous))
         checkpoint("after-series")
         with ScratchTree(self.project, new_series, self.upstream) as tree:
             plan = plan_overlay(new_series, self.project, tree)
