@@ -119,11 +119,16 @@ def export_series(project: Project, series: Series, source: Path) -> ExportResul
     text = render_series(data, previous)  # the user's comments stay
     changed = (read_tree(project.patches_dir, "*.patch") != contents or previous != text)
     if changed:
-        # killed between the two writes, a second export finishes the job: the
-        # commits it reads are still in the worktree
+        # Interrupted between the two writes, patches/ is put back; killed there,
+        # a second export finishes the job (the commits are still in the worktree).
+        old_patches = read_tree(project.patches_dir)
         replace_dir(project.patches_dir, contents)
-        checkpoint("export-patches-written")
-        write_atomic(project.series_file, text)
+        try:
+            checkpoint("export-patches-written")
+            write_atomic(project.series_file, text)
+        except BaseException:
+            replace_dir(project.patches_dir, old_patches)
+            raise
     return ExportResult(entries, new, dropped, changed)
 
 

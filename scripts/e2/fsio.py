@@ -64,14 +64,14 @@ def replace_dir(target: Path, contents: dict[str, bytes]) -> None:
         new.mkdir(parents=True)  # an empty ``contents`` still makes an (empty) directory
         for relative, data in sorted(contents.items()):
             write_file(new / relative, data)
-    except BaseException:
-        shutil.rmtree(new, ignore_errors=True)
+        checkpoint("replace-dir-staged")
+        if target.exists():
+            target.rename(old)
+        checkpoint("replace-dir-swapping")
+        new.rename(target)
+    except BaseException:  # a full disk, a Ctrl-C: the old tree goes back in place
+        recover_dir(target)
         raise
-    checkpoint("replace-dir-staged")
-    if target.exists():
-        target.rename(old)
-    checkpoint("replace-dir-swapping")
-    new.rename(target)
     shutil.rmtree(old, ignore_errors=True)
 
 
