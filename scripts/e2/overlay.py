@@ -211,8 +211,8 @@ def sync_problems(project: Project, series: Series) -> list[str]:
         if not path.is_file():
             problems.append(f"overlay/{entry['path']} is missing (run e2 overlay)")
         elif hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
-            problems.append(f"overlay/{entry['path']} was edited: it differs from "
-                            f"overlay/{MANIFEST} (run e2 overlay)")
+            problems.append(f"overlay/{entry['path']} does not match overlay/{MANIFEST} "
+                            "(edited after e2 overlay wrote it; run e2 overlay)")
     for extra in sorted(set(read_tree(project.overlay_dir)) - listed - {MANIFEST}):
         problems.append(f"overlay/{extra} is not in overlay/{MANIFEST} (run e2 overlay)")
     return problems

@@ -240,7 +240,8 @@ CASES = [
     Case("continue-with-a-damaged-rebase-state", damaged_rebase_state, ("rebase", "--continue"),
          ".e2/rebase/state.json: "),
     # 3. status tells the truth
-    Case("status-hand-edited-overlay-file", edited_overlay_file, ("status",), "was edited"),
+    Case("status-hand-edited-overlay-file", edited_overlay_file, ("status",),
+         "does not match overlay/MANIFEST.json (edited after e2 overlay wrote it"),
     Case("status-deleted-overlay-file", deleted_overlay_file, ("status",), "is missing"),
     Case("status-extra-overlay-file", write("overlay/vllm/extra.py", "x = 1\n"), ("status",),
          "overlay/vllm/extra.py is not in overlay/MANIFEST.json"),

@@ -147,3 +147,15 @@ def test_pins_file_is_the_binding_of_each_tag(tmp_path):
     pins = yaml.safe_load((cache.repo_dir / PINS_FILE).read_text())
     assert pins == {"v9.9.0": {"commit": commit, "sdist_sha256": pin(data).sdist_sha256,
                                "source": "tarball"}}
+
+
+def test_a_release_missing_on_the_index_is_named_before_the_git_fallback(tmp_path,
+                                                                          monkeypatch):
+    from e2.series import GitSource
+
+    upstream = pin(b"x", git=GitSource(remote=str(tmp_path / "nowhere")))
+    with Index({}) as index:
+        monkeypatch.setenv("PIP_INDEX_URL", index.url)
+        with pytest.raises(E2Error, match=r"the package index has no vllm-9.9.0.tar.gz; and "
+                                          r"from git: cannot fetch v9.9.0"):
+            UpstreamCache(tmp_path / "cache").ensure(upstream)
