@@ -62,7 +62,8 @@ class Binding(BaseModel):
 
 _BINDINGS = TypeAdapter(dict[str, Binding])
 _PKG_VERSION = re.compile(r"^Version:\s*(\S+)\s*$", re.MULTILINE)
-_PY_VERSION = re.compile(r"""^(?:__version__|version)\s*(?::\s*str\s*)?=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""",
+# setuptools-scm writes: __version__ = version = '0.31.0'
+_PY_VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""",
                          re.MULTILINE)
 
 
@@ -167,7 +168,7 @@ def find_sdist(project: str, version: str, index: str | None = None) -> SdistFil
         if entry["filename"] == wanted:
             return SdistFile(wanted, entry["url"], entry.get("hashes", {}).get("sha256"))
     raise E2Error(f"the package index has no {wanted}",
-                  hint=f"check the version, or pass --upstream PATH")
+                  hint="check the version, or pass --upstream PATH")
 
 
 def sha256_file(path: Path) -> str:

@@ -82,7 +82,7 @@ def test_a_local_tarball_must_be_the_index_release(tmp_path, monkeypatch):
     with Index({"vllm-9.9.0.tar.gz": released}) as index:
         monkeypatch.setenv("PIP_INDEX_URL", index.url)
         target = resolve_target("9.9.0", current, UpstreamOptions(cache, local=tarball))
-    assert target.sdist_sha256 == hashlib.sha256(released).hexdigest()  # the index's, not the file's
+    assert target.sdist_sha256 == hashlib.sha256(released).hexdigest()  # the index's
     with pytest.raises(E2Error, match=f"sha256 mismatch for {tarball}"):
         cache.ensure(target, local=tarball)
     assert cache.tag_commit("v9.9.0") is None
