@@ -37,8 +37,8 @@ from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.fsio import read_tree, replace_dir, write_atomic
 from e2.gitops import COMMITTER_ENV, clone_worktree
-from e2.series import (RELEASE_VERSION, Patch, Project, Series, Upstream, render_series,
-                       load_series, slugify)
+from e2.series import (RELEASE_VERSION, Patch, Project, Series, Upstream, load_series,
+                       render_series, slugify)
 from e2.verify import verify
 
 VERDICTS = ("still-needed", "obsolete", "re-expressed", "dropped")
