@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ import git
 
 from e2 import console
 from e2.errors import E2Error
+from e2.faults import checkpoint
 from e2.fsio import read_tree
 from e2.gitops import (COMMITTER_ENV, DIFF_FLAGS, Hunk, clone_worktree, open_worktree,
                        parse_hunks, remove_tree, require_clean, stable_git, touched_files,
@@ -72,30 +74,76 @@ def select_patches(series: Series, through: str | None) -> list[Patch]:
     return selected
 
 
+def check_patch_file(project: Project, patch: Patch) -> str:
+    """The patch's text, refused with its name when it is missing, empty or not a diff."""
+    path = project.patch_path(patch)
+    where = f"{project.patches_dir.name}/{patch.file} (patch {patch.id})"
+    if not path.is_file():
+        raise E2Error(f"series.yaml lists {patch.id} as {project.patches_dir.name}/"
+                      f"{patch.file}, which does not exist",
+                      hint="restore the file or remove the entry from series.yaml")
+    data = path.read_bytes()
+    if not data.strip():
+        raise E2Error(f"{where} is empty", hint="restore it (git checkout -- patches/) or "
+                      "re-export it from a worktree (e2 export)")
+    text = data.decode("utf-8", errors="replace")
+    try:
+        files = touched_files(text)
+    except Exception as exc:  # unidiff's parse errors carry the line that broke it
+        raise E2Error(f"{where} is not a valid diff: {exc}",
+                      hint="restore it (git checkout -- patches/) or re-export it") from None
+    if not files:
+        raise E2Error(f"{where} holds no diff (no file changes)",
+                      hint="restore it (git checkout -- patches/) or re-export it")
+    return text
+
+
+def _staging(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.new")
+
+
 def apply_series(project: Project, series: Series, dest: Path, upstream: UpstreamOptions,
                  through: str | None = None, exact: bool = False,
                  replace: bool = False, sparse: bool = False) -> AppliedTree:
-    """Apply the series into ``dest``; ``sparse`` checks out only the files it touches."""
+    """Apply the series into ``dest``; ``sparse`` checks out only the files it touches.
+
+    The worktree is built beside ``dest`` and moved into place complete, so an
+    interrupted apply leaves ``dest`` as it was (and a staging dir the next
+    apply removes).
+    """
     patches = select_patches(series, through)
     for patch in patches:
-        if not project.patch_path(patch).is_file():
-            raise E2Error(f"series.yaml lists {patch.id} as patches/{patch.file}, "
-                          "which does not exist",
-                          hint="restore the file or remove the entry from series.yaml")
+        check_patch_file(project, patch)
     base_commit = upstream.ensure(series)
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise E2Error(f"{dest} exists and is not a directory",
+                      hint="choose another --out, or move that file away")
     if dest.exists() and any(dest.iterdir()):
         if not replace:
             raise E2Error(f"{dest} already exists",
                           hint="export what you changed there (e2 export --from DIR), then "
                                "pass --force to replace it, or choose another --out")
         _check_replaceable(project, dest)
-        remove_tree(dest)
+    staging = _staging(dest)
+    if staging.exists():
+        remove_tree(staging)  # left by an apply that was killed
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with console.status(f"checking out {series.upstream.tag} into {dest}"):
-        repo = clone_worktree(upstream.cache.repo_dir, dest, series.upstream.tag,
-                              _touched_paths(project, patches) if sparse else None)
-
-    merged = _git_am(repo, project, patches, series)
+    try:
+        with console.status(f"checking out {series.upstream.tag} into {dest}"):
+            repo = clone_worktree(upstream.cache.repo_dir, staging, series.upstream.tag,
+                                  _touched_paths(project, patches) if sparse else None)
+        checkpoint("apply-cloned")
+        merged = _git_am(repo, project, patches, series)
+        checkpoint("apply-applied")
+    except E2Error:
+        # a patch did not apply: the worktree stays at the last one that did, to fix it there
+        _move_into_place(staging, dest)
+        raise
+    except BaseException:  # interrupted: leave the destination as it was
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _move_into_place(staging, dest)
+    repo = git.Repo(dest)
     commits = repo.git.rev_list("--reverse", f"{base_commit}..HEAD").split()
     results = [PatchResult(patch, "merged" if patch.id in merged else "clean", commit)
                for patch, commit in zip(patches, commits)]
@@ -112,6 +160,13 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
     return tree
 
 
+def _move_into_place(staging: Path, dest: Path) -> None:
+    if dest.exists():
+        remove_tree(dest)  # checked by _check_replaceable: nothing in it is lost
+    checkpoint("apply-swapping")
+    staging.rename(dest)
+
+
 def _touched_paths(project: Project, patches: list[Patch]) -> list[str]:
     paths: dict[str, None] = {}
     for patch in patches:
@@ -126,6 +181,16 @@ def _check_replaceable(project: Project, dest: Path) -> None:
 
     repo = open_worktree(dest)
     require_clean(repo, "--force would delete them")
+    # byte-compiled files come back by themselves; anything else ignored is the user's
+    ignored = [line[3:] for line in
+               repo.git.status("--porcelain", "--ignored=matching").splitlines()
+               if line.startswith("!! ") and not line.rstrip("/").endswith(("__pycache__",
+                                                                              ".pyc"))]
+    if ignored:
+        raise E2Error(f"{dest} holds git-ignored files that --force would delete: "
+                      + ", ".join(ignored[:5]) + (" ..." if len(ignored) > 5 else ""),
+                      hint="move them out of the worktree (or delete them), then run "
+                           "e2 apply --force again")
     base = worktree_base(repo)
     exported = read_tree(project.patches_dir, "*.patch")
     for commit, text in format_patches(repo, f"refs/tags/{base}"):
@@ -263,8 +328,9 @@ def run(args: argparse.Namespace) -> int:
     project: Project = args.project
     series = project.load()
     dest = (args.out or project.default_worktree).absolute()
-    tree = apply_series(project, series, dest, args.upstream, through=args.through,
-                        exact=args.exact, replace=args.force)
+    with project.changing():
+        tree = apply_series(project, series, dest, args.upstream, through=args.through,
+                            exact=args.exact, replace=args.force)
     for result in tree.results:
         style = {"clean": "green", "offset": "yellow", "merged": "yellow"}[result.status]
         console.out.print(f"[{style}]{result.status:6}[/] {result.patch.id} {result.patch.title}")

@@ -6,12 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from e2 import (apply, console, export, image, overlay, probe, rebase, status, testenv,
-                validate, verify)
+from e2 import (apply, console, crash, export, image, overlay, probe, rebase, status,
+                testenv, validate, verify)
 from e2.apply import UpstreamOptions
 from e2.errors import E2Error
 from e2.series import Project
-from e2.upstream import UpstreamCache
+from e2.upstream import UpstreamCache, default_cache_dir
 
 VERBS = (apply, overlay, verify, export, status, rebase, testenv, validate, image, probe)
 
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
         args.project = Project.find(args.project)
@@ -41,13 +42,25 @@ def main(argv: list[str] | None = None) -> int:
                                         args.upstream_path)
         return args.run(args)
     except E2Error as exc:
-        console.error(exc.message)
-        if exc.hint:
-            console.err.print(f"hint: {exc.hint}", markup=False, highlight=False)
-        return exc.exit_code
+        return _report(exc.message, exc.hint, exc.exit_code)
     except KeyboardInterrupt:
-        console.error("interrupted")
-        return 130
+        return _report("interrupted", None, 130)
+    except OSError as exc:
+        # a read-only checkout, a full disk, a file where a folder should be
+        return _report(crash.os_error_message(exc),
+                       "fix the permissions, space or path named, then run it again", 1)
+    except Exception as exc:  # noqa: BLE001 - the one place that turns bugs into a line
+        log = crash.write_crash_log(exc, argv, args.cache or default_cache_dir())
+        where = f"details in {log}" if log else "no crash log could be written"
+        return _report(f"unexpected {type(exc).__name__}: {exc} ({where})",
+                       "please report it with that log", 3)
+
+
+def _report(message: str, hint: str | None, code: int) -> int:
+    console.error(message.splitlines()[0] if code == 3 else message)
+    if hint:
+        console.err.print(f"hint: {hint}", markup=False, highlight=False)
+    return code
 
 
 if __name__ == "__main__":

@@ -18,10 +18,11 @@ import git
 
 from e2 import console
 from e2.errors import E2Error
+from e2.faults import checkpoint
 from e2.fsio import read_tree, replace_dir, write_atomic
 from e2.gitops import (FORMAT_PATCH_FLAGS, open_worktree, require_clean, stable_git,
                        worktree_base)
-from e2.series import Patch, Project, Series, dump_series, slugify
+from e2.series import Patch, Project, Series, render_series, slugify
 
 
 @dataclass
@@ -46,9 +47,13 @@ def format_patches(repo: git.Repo, base: str) -> list[tuple[git.Commit, bytes]]:
     with tempfile.TemporaryDirectory(prefix="e2-export-") as tmp:
         stable_git(repo, "format-patch", *FORMAT_PATCH_FLAGS, "-o", tmp, f"{base}..HEAD")
         texts = [p.read_bytes() for p in sorted(Path(tmp).iterdir())]
-    if len(texts) != len(commits):  # format-patch skips empty commits
-        raise E2Error(f"{repo.working_tree_dir}: {len(commits) - len(texts)} commit(s) on "
-                      "the branch change nothing", hint="drop the empty commits")
+    # format-patch writes an empty commit as a 0-byte file (or skips it): neither applies
+    empty = [c for c in commits if not c.diff(c.parents[0])]
+    if empty or len(texts) != len(commits) or not all(t.strip() for t in texts):
+        named = ", ".join(f"{c.hexsha[:12]} ({c.summary})" for c in empty) or "one of them"
+        raise E2Error(f"{repo.working_tree_dir}: commit {named} on {base} changes nothing; "
+                      "a patch must change a file",
+                      hint="drop it (git rebase -i) and export again")
     return list(zip(commits, texts))
 
 
@@ -85,6 +90,11 @@ def export_series(project: Project, series: Series, source: Path) -> ExportResul
         raise E2Error(f"{source}: HEAD does not descend from {base}",
                       hint="rebase the branch onto the tag") from None
     formatted = format_patches(repo, f"refs/tags/{base}")
+    if not formatted and series.patches:
+        raise E2Error(f"{source} has no commits on top of {base}; exporting it would drop "
+                      f"all {len(series.patches)} patches of series.yaml",
+                      hint="recreate the worktree with e2 apply --force (or remove the "
+                           "patches from series.yaml by hand if that is what you want)")
     titles = [commit.summary for commit, _ in formatted]
     matched = match_metadata(series, titles)
 
@@ -105,12 +115,20 @@ def export_series(project: Project, series: Series, source: Path) -> ExportResul
 
     data = series.model_dump(mode="json")
     data["patches"] = entries
-    text = dump_series(data)
-    changed = (read_tree(project.patches_dir, "*.patch") != contents
-               or project.series_file.read_text(encoding="utf-8") != text)
+    previous = project.series_file.read_text(encoding="utf-8")
+    text = render_series(data, previous)  # the user's comments stay
+    changed = (read_tree(project.patches_dir, "*.patch") != contents or previous != text)
     if changed:
+        # Interrupted between the two writes, patches/ is put back; killed there,
+        # a second export finishes the job (the commits are still in the worktree).
+        old_patches = read_tree(project.patches_dir)
         replace_dir(project.patches_dir, contents)
-        write_atomic(project.series_file, text)
+        try:
+            checkpoint("export-patches-written")
+            write_atomic(project.series_file, text)
+        except BaseException:
+            replace_dir(project.patches_dir, old_patches)
+            raise
     return ExportResult(entries, new, dropped, changed)
 
 
@@ -133,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     project: Project = args.project
     series = project.load()
     source = (args.source or project.default_worktree).absolute()
-    result = export_series(project, series, source)
+    with project.changing():
+        result = export_series(project, series, source)
     if not result.changed:
         console.out.print(f"patches/ and series.yaml already match {source}", markup=False)
         return 0

@@ -7,6 +7,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from e2.errors import E2Error
+from e2.faults import checkpoint
+
 
 def write_atomic(path: Path, content: str | bytes) -> None:
     """Replace ``path`` in one rename so a reader never sees half a file."""
@@ -26,14 +29,26 @@ def _staging(target: Path) -> tuple[Path, Path]:
     return target.with_name(f".{target.name}.new"), target.with_name(f".{target.name}.old")
 
 
+def refuse_link(path: Path) -> None:
+    if path.is_symlink():
+        raise E2Error(f"{path} is a symbolic link; e2 writes it as a directory of its own",
+                      hint=f"remove the link (rm {path}) and run the command again")
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
 def recover_dir(target: Path) -> None:
     """Finish or undo a ``replace_dir`` that was interrupted."""
     new, old = _staging(target)
-    if old.exists() and not target.exists():
+    if (old.exists() or old.is_symlink()) and not (target.exists() or target.is_symlink()):
         old.rename(target)  # stopped between the two renames: put the old one back
     for leftover in (new, old):
-        if leftover.exists():
-            shutil.rmtree(leftover)
+        _remove(leftover)
 
 
 def replace_dir(target: Path, contents: dict[str, bytes]) -> None:
@@ -43,16 +58,20 @@ def replace_dir(target: Path, contents: dict[str, bytes]) -> None:
     renames; ``recover_dir`` repairs the one window between them.
     """
     recover_dir(target)
+    refuse_link(target)
     new, old = _staging(target)
     try:
+        new.mkdir(parents=True)  # an empty ``contents`` still makes an (empty) directory
         for relative, data in sorted(contents.items()):
             write_file(new / relative, data)
-    except BaseException:
-        shutil.rmtree(new, ignore_errors=True)
+        checkpoint("replace-dir-staged")
+        if target.exists():
+            target.rename(old)
+        checkpoint("replace-dir-swapping")
+        new.rename(target)
+    except BaseException:  # a full disk, a Ctrl-C: the old tree goes back in place
+        recover_dir(target)
         raise
-    if target.exists():
-        target.rename(old)
-    new.rename(target)
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -10,7 +10,6 @@ throughout (``docker.from_env()``), so DOCKER_HOST, incl. ssh://, works.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import os
 import re
@@ -25,7 +24,7 @@ import jinja2
 from e2 import console
 from e2.errors import E2Error
 from e2.fsio import write_atomic
-from e2.overlay import MANIFEST, load_manifest
+from e2.overlay import synced_manifest
 from e2.series import Project, Series, series_digest
 
 TEMPLATE = "images/engine/Dockerfile.j2"
@@ -38,27 +37,6 @@ LOCAL_BASE_REPO = "e2-base-cpu"
 # Tags like v0.31.0, 0.31.0, v0.31.0-cu128: the vLLM release a base carries.
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # docker colours RUN stderr
 _TAG_VERSION = re.compile(r"^v?([0-9]+(?:\.[0-9]+)+)(?:[-+_.].*)?$")
-
-
-# ---------------------------------------------------------------- overlay state
-
-
-def synced_manifest(project: Project, series: Series) -> dict:
-    """overlay/MANIFEST.json, refused unless it (and overlay/) matches series.yaml."""
-    manifest = load_manifest(project)
-    if manifest is None:
-        raise E2Error(f"no overlay/{MANIFEST}", hint="run e2 overlay")
-    digest = series_digest(series, project.patches_dir)
-    if manifest.get("series_digest") != digest:
-        raise E2Error(f"overlay/ is out of sync with series.yaml: it was made for series "
-                      f"{str(manifest.get('series_digest'))[:12]}, the series is {digest[:12]}",
-                      hint="run e2 overlay")
-    for entry in manifest["files"]:
-        path = project.overlay_dir / entry["path"]
-        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
-            raise E2Error(f"overlay/{entry['path']} does not match overlay/{MANIFEST}",
-                          hint="run e2 overlay")
-    return manifest
 
 
 # ---------------------------------------------------------------- Dockerfile
@@ -95,7 +73,22 @@ def render_dockerfile(project: Project, series: Series, manifest: dict) -> str:
     template_path = project.root / TEMPLATE
     if not template_path.is_file():
         raise E2Error(f"{template_path}: no such file (the Dockerfile template)")
-    template = env.from_string(template_path.read_text())
+    try:
+        template = env.from_string(template_path.read_bytes().decode("utf-8"))
+        return _render(template, series, manifest)
+    except UnicodeDecodeError as exc:
+        raise E2Error(f"{template_path}: not UTF-8 text (byte {exc.start})",
+                      hint="restore the template: git checkout -- " + TEMPLATE) from None
+    except jinja2.TemplateSyntaxError as exc:
+        raise E2Error(f"{template_path}:{exc.lineno}: template syntax error: {exc.message}",
+                      hint="fix that line of the template") from None
+    except jinja2.TemplateError as exc:  # an undefined name, a failed filter
+        raise E2Error(f"{template_path}: cannot render: {exc}",
+                      hint="the template may use only the names render_dockerfile passes "
+                           "(scripts/e2/image.py)") from None
+
+
+def _render(template: jinja2.Template, series: Series, manifest: dict) -> str:
     digest = manifest["series_digest"]
     files = manifest["files"]
     text = template.render(
@@ -127,7 +120,7 @@ def dockerfile_drift(project: Project, series: Series, manifest: dict) -> list[s
         return [f"{DOCKERFILE} exists but {TEMPLATE} is missing"] if path.exists() else []
     if not path.is_file():
         return [f"{DOCKERFILE} is missing (run e2 image render)"]
-    if path.read_text() != render_dockerfile(project, series, manifest):
+    if path.read_bytes() != render_dockerfile(project, series, manifest).encode():
         return [f"{DOCKERFILE} differs from what {TEMPLATE} renders (run e2 image render)"]
     return []
 

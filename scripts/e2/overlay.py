@@ -20,15 +20,17 @@ from pathlib import Path
 import git
 
 from e2 import console
+from e2 import manifest as manifest_file
 from e2.apply import AppliedTree, UpstreamOptions, apply_series
 from e2.errors import E2Error
-from e2.fsio import read_tree, recover_dir, replace_dir
+from e2.faults import checkpoint
+from e2.fsio import read_tree, recover_dir, refuse_link, replace_dir
 from e2.series import Project, Series, series_digest
 
 PACKAGE = "vllm"
 MANIFEST = "MANIFEST.json"
 SERIES_INFO = f"{PACKAGE}/e2_series.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = manifest_file.FORMAT
 
 # What an overlay of Python files cannot carry: anything compiled into the
 # wheel's extension modules or deciding what gets built and installed.
@@ -168,14 +170,64 @@ def overlay_drift(project: Project, plan: OverlayPlan) -> list[str]:
 
 
 def load_manifest(project: Project) -> dict | None:
-    path = project.overlay_dir / MANIFEST
-    if not path.is_file():
-        return None
+    """overlay/MANIFEST.json, checked against its schema (e2.manifest)."""
+    return manifest_file.load(project.overlay_dir / MANIFEST)
+
+
+def sync_problems(project: Project, series: Series) -> list[str]:
+    """Why overlay/ is not what series.yaml and patches/ say, without applying anything.
+
+    The one "overlay in sync" check: status, verify, the image build and the
+    test env all ask it. It catches another series or pin, a hand-edited,
+    missing or extra overlay file, and a manifest of the wrong shape.
+    """
+    if project.overlay_dir.is_symlink():
+        return ["overlay/ is a symbolic link (e2 overlay writes a directory; remove it)"]
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise E2Error(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}",
-                      hint="regenerate it with: e2 overlay") from None
+        manifest = load_manifest(project)
+    except E2Error as exc:
+        return [exc.message]
+    if manifest is None:
+        return [f"overlay/ has no {MANIFEST} (run e2 overlay)"]
+    problems = []
+    pinned = series.upstream
+    made_for = manifest["upstream"]
+    if (made_for["version"], made_for["tag"], made_for["sdist_sha256"]) != (
+            pinned.version, pinned.tag, pinned.sdist_sha256):
+        problems.append(f"overlay/ was made for vLLM {made_for['version']} "
+                        f"({made_for['sdist_sha256'][:12]}), series.yaml pins "
+                        f"{pinned.version} ({pinned.sdist_sha256[:12]}) (run e2 overlay)")
+    try:
+        digest = series_digest(series, project.patches_dir)
+    except E2Error as exc:
+        digest = None
+        problems.append(exc.message)
+    if digest and manifest["series_digest"] != digest:
+        problems.append(f"overlay/ was made from series {manifest['series_digest'][:12]}, "
+                        f"series.yaml and patches/ are {digest[:12]} (run e2 overlay)")
+    listed = {entry["path"] for entry in manifest["files"]}
+    for entry in manifest["files"]:
+        path = project.overlay_dir / entry["path"]
+        if not path.is_file():
+            problems.append(f"overlay/{entry['path']} is missing (run e2 overlay)")
+        elif hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
+            problems.append(f"overlay/{entry['path']} does not match overlay/{MANIFEST} "
+                            "(edited after e2 overlay wrote it; run e2 overlay)")
+    for extra in sorted(set(read_tree(project.overlay_dir)) - listed - {MANIFEST}):
+        problems.append(f"overlay/{extra} is not in overlay/{MANIFEST} (run e2 overlay)")
+    return problems
+
+
+def synced_manifest(project: Project, series: Series) -> dict:
+    """overlay/MANIFEST.json, refused unless overlay/ is in sync with series.yaml."""
+    problems = sync_problems(project, series)
+    if problems:
+        raise E2Error("overlay/ is out of sync: " + "; ".join(problems[:3])
+                      + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""),
+                      hint="run e2 overlay")
+    manifest = load_manifest(project)
+    assert manifest is not None  # sync_problems reports a missing one
+    return manifest
 
 
 # ---------------------------------------------------------------- scratch trees
@@ -218,13 +270,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     project: Project = args.project
     series = project.load()
+    with project.changing():
+        return _run_locked(project, series, args.upstream)
+
+
+def _run_locked(project: Project, series: Series, upstream: UpstreamOptions) -> int:
+    refuse_link(project.overlay_dir)
     recover_dir(project.overlay_dir)
-    with ScratchTree(project, series, args.upstream) as tree:
+    with ScratchTree(project, series, upstream) as tree:
         plan = plan_overlay(series, project, tree)
     drift = overlay_drift(project, plan)
     if not drift:
         console.out.print(f"overlay/ already up to date ({len(plan.files)} files)", markup=False)
         return 0
+    checkpoint("overlay-planned")
     write_overlay(project, plan)
     console.out.print(f"overlay/ written: {len(plan.files)} files, {len(plan.deleted)} "
                       f"deletions, series {plan.manifest['series_digest'][:12]}", markup=False)

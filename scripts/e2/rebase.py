@@ -23,21 +23,22 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import git
-from filelock import FileLock, Timeout
+from pydantic import TypeAdapter, ValidationError
 
 from e2 import console
 from e2.apply import PatchResult, UpstreamOptions, apply_series, find_offsets
 from e2.errors import E2Error
+from e2.faults import checkpoint
 from e2.fsio import read_tree, replace_dir, write_atomic
 from e2.gitops import COMMITTER_ENV, clone_worktree
-from e2.series import Patch, Project, Series, Upstream, dump_series, load_series, slugify
+from e2.series import (RELEASE_VERSION, Patch, Project, Series, Upstream, load_series,
+                       render_series, slugify)
 from e2.verify import verify
 
 VERDICTS = ("still-needed", "obsolete", "re-expressed", "dropped")
@@ -80,10 +81,15 @@ class RebaseState:
 
     @classmethod
     def load(cls, path: Path) -> "RebaseState":
-        data = json.loads(path.read_text())
-        patches = [PatchState(**{**p, "conflicts": [Conflict(**c) for c in p["conflicts"]]})
-                   for p in data.pop("patches")]
-        return cls(patches=patches, **data)
+        """The state file, checked against the dataclasses above as its schema."""
+        hint = ("the rebase state is damaged: e2 rebase --abort puts everything back, "
+                "then start again")
+        try:
+            return TypeAdapter(cls).validate_json(path.read_bytes())
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+            raise E2Error(f"{path}: {where}: {first['msg']}", hint=hint) from None
 
     def save(self, path: Path) -> None:
         write_atomic(path, json.dumps(asdict(self), indent=2) + "\n")
@@ -97,15 +103,12 @@ class Rebase:
         self.dir = project.state_dir / "rebase"
         self.state_file = self.dir / "state.json"
         self.backup = self.dir / "backup"
+        self.backup_index = self.backup / "SAVED.json"
         self.work = self.dir / "work"
         self.rr_cache = project.state_dir / "rr-cache"
         self.verdict_memory = self.rr_cache / "e2-verdicts.json"
 
     # -- guards
-
-    def lock(self) -> FileLock:
-        self.project.state_dir.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(self.project.state_dir / "rebase.lock"), timeout=0)
 
     def in_progress(self) -> bool:
         return self.state_file.is_file()
@@ -164,13 +167,36 @@ class Rebase:
         return state
 
     def _backup(self) -> None:
+        self.backup.mkdir(parents=True, exist_ok=True)
+        saved = []
         for name in GUARDED:
             source = self.project.root / name
             if source.is_dir():
                 shutil.copytree(source, self.backup / name)
             elif source.is_file():
-                self.backup.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(source, self.backup / name)
+            else:
+                continue
+            saved.append(name)
+        # written last: --abort restores only from a backup that says it is whole
+        write_atomic(self.backup_index, json.dumps(saved) + "\n")
+
+    def _check_backup(self) -> list[str]:
+        """The names the backup holds; refused unless every one of them is there."""
+        hint = (f"restore them from git instead (git checkout -- {' '.join(GUARDED)}), "
+                f"then remove {self.dir}")
+        try:
+            saved = json.loads(self.backup_index.read_text())
+        except (OSError, ValueError):
+            raise E2Error(f"the rebase backup in {self.backup} is incomplete (no "
+                          f"{self.backup_index.name}); --abort would not put everything back",
+                          hint=hint) from None
+        missing = [name for name in saved if not (self.backup / name).exists()]
+        if "series.yaml" not in saved or missing:
+            raise E2Error(f"the rebase backup in {self.backup} is incomplete (missing: "
+                          f"{', '.join(missing) or 'series.yaml'}); --abort would not put "
+                          "everything back", hint=hint)
+        return saved
 
     # -- the loop
 
@@ -193,9 +219,9 @@ class Rebase:
                 continue
             current.status = "applying"
             state.save(self.state_file)
-            _checkpoint("before-am")
+            checkpoint("before-am")
             ok, fell_back = _am(repo, patch_file)
-            _checkpoint("after-am")
+            checkpoint("after-am")
             if ok:
                 self._record_applied(repo, current, patch, "merged" if fell_back else None)
             elif not _unmerged(repo):
@@ -313,6 +339,7 @@ class Rebase:
         state.save(self.state_file)
 
     def abort(self) -> None:
+        self._check_backup()
         for name in GUARDED:
             saved, target = self.backup / name, self.project.root / name
             if saved.is_dir():
@@ -358,10 +385,12 @@ class Rebase:
         data["image"]["digest"] = None  # unpinned until someone pins the new base
         data["patches"] = entries
         new_series = Series.model_validate(data)
-        _checkpoint("before-write")
+        checkpoint("before-write")
         replace_dir(self.project.patches_dir, contents)
-        write_atomic(self.project.series_file, dump_series(new_series))
-        _checkpoint("after-series")
+        previous = (self.backup / "series.yaml").read_text(encoding="utf-8")
+        write_atomic(self.project.series_file,
+                     render_series(new_series.model_dump(mode="json"), previous))
+        checkpoint("after-series")
         with ScratchTree(self.project, new_series, self.upstream) as tree:
             plan = plan_overlay(new_series, self.project, tree)
         write_overlay(self.project, plan)
@@ -389,12 +418,6 @@ def _write_dockerfile(project: Project, series: Series, manifest: dict) -> None:
 
 
 # ---------------------------------------------------------------- git steps
-
-
-def _checkpoint(name: str) -> None:
-    """Fault injection for the kill-and-resume tests: E2_FAULT_AT=<name> kills here."""
-    if os.environ.get("E2_FAULT_AT") == name:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _applies_in_reverse(repo: git.Repo, patch_file: Path) -> bool:
@@ -480,13 +503,32 @@ def _ask_verdict(file: str, number: int, hunk: dict, verdict: str | None,
 
 
 def resolve_target(onto: str, current: Upstream, upstream: UpstreamOptions) -> Upstream:
-    from e2.upstream import find_sdist, sha256_file
+    """The pin to rebase onto: the index's own sha256 of that release.
+
+    A local tarball (--upstream) must be that release: its version is checked
+    when it is imported, and its hash against the index's where the index is
+    reachable; only without an index is its own hash pinned (with a warning).
+    """
+    from e2.upstream import find_sdist, local_version, sha256_file
 
     version = onto[1:] if onto.startswith("v") else onto
-    if upstream.local is not None and upstream.local.is_file():
-        sha = sha256_file(upstream.local)
-    else:
+    if not RELEASE_VERSION.match(version):
+        raise E2Error(f"--onto {onto!r} is not a release version like 0.32.0")
+    local = upstream.local
+    if local is not None:
+        found_version = local_version(local)
+        if found_version != version:
+            raise E2Error(f"--upstream {local} is vLLM {found_version}, not {version}",
+                          hint=f"pass the {version} sdist or tree")
+    try:
         found = find_sdist(current.project, version)
+    except E2Error as exc:
+        if local is None or not local.is_file():
+            raise
+        console.warn(f"{exc.message}: pinning {local.name} by its own sha256, unchecked "
+                     "against the release")
+        sha = sha256_file(local)
+    else:
         if not found.sha256:
             raise E2Error(f"the index lists no sha256 for {found.filename}")
         sha = found.sha256
@@ -522,25 +564,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def rebase_in_progress(project: Project) -> str | None:
+    """One line for e2 status when a rebase is stopped (or was killed) half way."""
+    rebase = Rebase(project, None)
+    if not rebase.in_progress():
+        return None
+    try:
+        state = rebase.load()
+    except E2Error as exc:
+        return f"a rebase is in progress, its state is damaged: {exc.message}"
+    current = state.current()
+    where = (f"stopped at {current.id} {current.title} ({current.status})" if current
+             else "writing its result")
+    return (f"a rebase from {state.source['tag']} onto {state.target['tag']} is in "
+            f"progress, {where} (e2 rebase --continue, --skip or --abort)")
+
+
 def run(args: argparse.Namespace) -> int:
     from e2 import rebase_report
 
     rebase = Rebase(args.project, args.upstream)
-    try:
-        with rebase.lock():
-            return _run_locked(args, rebase, rebase_report)
-    except Timeout:
-        raise E2Error("another e2 rebase is running on this checkout") from None
+    with args.project.changing():
+        return _run_locked(args, rebase, rebase_report)
 
 
 def _run_locked(args: argparse.Namespace, rebase: Rebase, rebase_report) -> int:
     if args.abort:
-        rebase.load()
+        if not rebase.in_progress():
+            rebase.load()  # raises "no rebase in progress"
         rebase.abort()
         console.out.print("rebase aborted: series.yaml, patches/, overlay/ and Dockerfile "
                           "are as before", markup=False)
         return 0
-    if args.onto:
+    if args.onto is not None:
         series = args.project.load()
         target = resolve_target(args.onto, series.upstream, args.upstream)
         state = rebase.start(series, target, args.drop_obsolete)

@@ -11,12 +11,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from filelock import FileLock, Timeout
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator)
 
 from e2.errors import E2Error
 from e2.fsio import write_atomic
@@ -29,7 +32,7 @@ _SWITCH_NAME = re.compile(r"^VLLM_E2_[A-Z0-9_]+$")
 _PATCH_ID = re.compile(r"^[0-9]{4}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-_VERSION = re.compile(r"^[0-9]+(\.[0-9]+)+([a-z0-9.+-]*)$")
+RELEASE_VERSION = re.compile(r"^[0-9]+(\.[0-9]+)+([a-z0-9.+-]*)$")
 
 HEADER = """\
 # vLLM E2 patch series: the pinned upstream, the engine image base and the
@@ -64,8 +67,18 @@ class Upstream(_Strict):
     @field_validator("version")
     @classmethod
     def _version(cls, value: str) -> str:
-        if not _VERSION.match(value):
+        if not RELEASE_VERSION.match(value):
             raise ValueError(f"{value!r} is not a release version like 0.31.0")
+        return value
+
+    @field_validator("tag")
+    @classmethod
+    def _tag_names_version(cls, value: str, info: ValidationInfo) -> str:
+        # the image is labelled with the version and built from the tag: they must agree
+        version = info.data.get("version")
+        if version is not None and value != f"v{version}":
+            raise ValueError(f"{value!r} disagrees with version {version!r} (its tag is "
+                             f"'v{version}')")
         return value
 
     @field_validator("sdist_sha256")
@@ -177,6 +190,23 @@ class Project:
     def patch_path(self, patch: Patch) -> Path:
         return self.patches_dir / patch.file
 
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        """Held by every command that rewrites the checkout or its worktree
+        (apply, export, overlay, rebase): one at a time, the second is refused."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(self.state_dir / "lock"), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            raise E2Error("another e2 command (apply, export, overlay or rebase) is changing "
+                          f"this checkout ({self.root})",
+                          hint="wait for it to finish, then run this again") from None
+        try:
+            yield
+        finally:
+            lock.release()
+
     def load(self) -> Series:
         return load_series(self.series_file)
 
@@ -222,7 +252,14 @@ def _compose_with_marks(text: str, path: Path) -> tuple[Any, dict[tuple, tuple[i
             return [walk(item, (*key_path, i)) for i, item in enumerate(node.value)]
         return constructor.construct_object(node, deep=True)
 
-    return (walk(root, ()) if root is not None else None), marks
+    try:
+        return (walk(root, ()) if root is not None else None), marks
+    except yaml.YAMLError as exc:  # a tag the safe loader refuses (!!python/object ...)
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise E2Error(f"{where}: invalid YAML: {problem}",
+                      hint="series.yaml holds plain data only: no YAML tags") from None
 
 
 def _format_loc(loc: tuple) -> str:
@@ -257,7 +294,14 @@ def parse_series(text: str, path: Path) -> Series:
 def load_series(path: Path) -> Series:
     if not path.is_file():
         raise E2Error(f"{path}: no such file")
-    return parse_series(path.read_text(encoding="utf-8"), path)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise E2Error(f"{path}:{line}: not UTF-8 text (byte {exc.start})",
+                      hint="save series.yaml as UTF-8") from None
+    return parse_series(text, path)
 
 
 # ---------------------------------------------------------------- dumping
@@ -285,6 +329,101 @@ def dump_series(series: Series | dict) -> str:
 
 def save_series(series: Series, path: Path) -> None:
     write_atomic(path, dump_series(series))
+
+
+def _round_trip_yaml():
+    from ruamel.yaml import YAML
+
+    # the same layout dump_series writes, so an untouched file comes back byte for byte
+    handler = YAML()
+    handler.preserve_quotes = True
+    handler.width = 88
+    handler.indent(mapping=2, sequence=2, offset=0)
+    handler.representer.add_representer(
+        type(None), lambda rep, _: rep.represent_scalar("tag:yaml.org,2002:null", "null"))
+    return handler
+
+
+def _fresh(value: Any) -> Any:
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+    from ruamel.yaml.scalarstring import LiteralScalarString
+
+    if isinstance(value, dict):
+        return CommentedMap((k, _fresh(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return CommentedSeq(_fresh(v) for v in value)
+    if isinstance(value, str) and "\n" in value:
+        return LiteralScalarString(value)
+    return value
+
+
+def _merge(old: Any, new: Any) -> Any:
+    """``new`` written into the node ``old`` came from, keeping its comments and quoting."""
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+    if isinstance(old, CommentedMap) and isinstance(new, dict):
+        for key in [k for k in old if k not in new]:
+            del old[key]
+        for position, (key, value) in enumerate(new.items()):
+            if key in old:
+                old[key] = _merge(old[key], value)
+            else:
+                old.insert(position, key, _fresh(value))
+        return old
+    if isinstance(old, CommentedSeq) and isinstance(new, list):
+        if all(isinstance(v, dict) for v in new) and all(isinstance(v, dict) for v in old):
+            return _merge_entries(old, new)
+        if list(old) == new:
+            return old
+        return _fresh(new)
+    if type(new) in (str, int, float, bool, type(None)) and old == new \
+            and (old is None) == (new is None):
+        return old  # the same value: keep its quoting and folding
+    return _fresh(new)
+
+
+def _merge_entries(old: Any, new: list[dict]) -> Any:
+    """Patch entries follow their old node (and its comments) by title, else by position."""
+    from ruamel.yaml.comments import CommentedSeq
+
+    remaining = list(old)
+    result = CommentedSeq()
+    for position, entry in enumerate(new):
+        match = next((node for node in remaining if node.get("title") == entry.get("title")),
+                     None)
+        if match is None and position < len(old) and old[position] in remaining:
+            match = old[position]
+        if match is not None:
+            remaining.remove(match)
+            result.append(_merge(match, entry))
+        else:
+            result.append(_fresh(entry))
+    if len(result) == len(old):
+        result.ca.items.update(old.ca.items)  # comments between entries keep their place
+    return result
+
+
+def render_series(data: dict, previous: str | None) -> str:
+    """series.yaml holding ``data``; the comments and layout of ``previous`` are kept.
+
+    The header invites hand edits, so a rewrite by export or rebase changes
+    only the values that changed; a file that cannot be read back as YAML is
+    written canonically instead.
+    """
+    import io
+
+    if previous is None:
+        return dump_series(data)
+    handler = _round_trip_yaml()
+    try:
+        document = handler.load(previous)
+    except Exception:  # noqa: BLE001 - any parse failure: fall back to the canonical form
+        return dump_series(data)
+    if not isinstance(document, dict):
+        return dump_series(data)
+    buffer = io.StringIO()
+    handler.dump(_merge(document, data), buffer)
+    return buffer.getvalue()
 
 
 # ---------------------------------------------------------------- identity

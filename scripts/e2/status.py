@@ -14,7 +14,9 @@ from rich.table import Table
 from e2 import console
 from e2.errors import E2Error
 from e2.fsio import read_tree
-from e2.overlay import load_manifest
+from e2.image import dockerfile_drift, has_dockerfile
+from e2.overlay import sync_problems, synced_manifest
+from e2.rebase import rebase_in_progress
 from e2.series import Project, Series, series_digest
 
 
@@ -27,15 +29,17 @@ def collect(project: Project, series: Series, cache) -> dict:
     digest = None
     if not problems:
         digest = series_digest(series, project.patches_dir)
-    try:
-        manifest = load_manifest(project)
-    except E2Error as exc:
-        manifest, problems = None, problems + [exc.message]
+    if not problems:  # the overlay's digest needs series.yaml and patches/ to agree
+        problems += sync_problems(project, series)
+    if not problems and has_dockerfile(project):
+        try:
+            problems += dockerfile_drift(project, series, synced_manifest(project, series))
+        except E2Error as exc:
+            problems.append(exc.message)
     overlay_files = [p for p in read_tree(project.overlay_dir) if p != "MANIFEST.json"]
-    if manifest is None:
-        problems.append("overlay/ has no MANIFEST.json (run e2 overlay)")
-    elif digest and manifest.get("series_digest") != digest:
-        problems.append("overlay/ was built from another series (run e2 overlay)")
+    rebase = rebase_in_progress(project)
+    if rebase:
+        problems.append(rebase)
     return {
         "upstream": series.upstream.model_dump(mode="json"),
         "upstream_cached": cache.tag_commit(series.upstream.tag) is not None,
@@ -45,6 +49,7 @@ def collect(project: Project, series: Series, cache) -> dict:
                      "default": p.switch.default, "compiled": p.switch.compiled}
                     for p in series.patches],
         "overlay_files": len(overlay_files),
+        "rebase": rebase,
         "in_sync": not problems,
         "problems": problems,
     }

@@ -30,8 +30,8 @@ from filelock import FileLock
 from e2 import console
 from e2.errors import E2Error
 from e2.fsio import write_atomic
-from e2.overlay import MANIFEST, PACKAGE, load_manifest
-from e2.series import Project, Series, series_digest
+from e2.overlay import MANIFEST, PACKAGE, synced_manifest
+from e2.series import Project, Series
 from e2.upstream import sha256_file
 
 # target -> the PyPI distribution that installs the ``vllm`` package
@@ -216,16 +216,10 @@ def _read_overlay(project: Project, manifest: dict) -> dict[str, bytes]:
 
 def build_view(env: TestEnv, project: Project, series: Series) -> View:
     """Lay overlay/ over a hard-link copy of the venv's vllm package (base hashes checked)."""
-    manifest = load_manifest(project)
-    if manifest is None:
-        raise E2Error(f"{project.overlay_dir / MANIFEST} does not exist",
-                      hint="generate the overlay first: e2 overlay")
+    manifest = synced_manifest(project, series)  # the same check as status and the image
     if manifest["upstream"]["version"] != env.version:
         raise E2Error(f"overlay/ is for vLLM {manifest['upstream']['version']}, the env has "
                       f"{env.version}", hint="regenerate it: e2 overlay")
-    if manifest["series_digest"] != series_digest(series, project.patches_dir):
-        raise E2Error("overlay/ was generated from another state of the series",
-                      hint="regenerate it: e2 overlay")
     site = env.site_packages()
     problems = _hash_mismatches(manifest, site, env.target)
     if problems:

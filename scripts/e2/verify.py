@@ -10,7 +10,8 @@ from e2 import console
 from e2.apply import AppliedTree
 from e2.errors import E2Error
 from e2.image import dockerfile_drift, has_dockerfile
-from e2.overlay import PACKAGE, OverlayPlan, ScratchTree, overlay_drift, plan_overlay
+from e2.overlay import (PACKAGE, OverlayPlan, ScratchTree, overlay_drift, plan_overlay,
+                        sync_problems)
 from e2.series import Project, Series
 
 REGISTRY_FILE = f"{PACKAGE}/envs.py"
@@ -107,8 +108,11 @@ def check_tests_exist(series: Series, tree: AppliedTree) -> Check:
     return check
 
 
-def check_overlay(project: Project, plan: OverlayPlan) -> Check:
+def check_overlay(project: Project, series: Series, plan: OverlayPlan) -> Check:
     check = Check("overlay/ equals what the series generates")
+    check.problems += sync_problems(project, series)  # the check status and the image use
+    if check.problems:
+        return check
     drift = overlay_drift(project, plan)
     check.problems += [f"{line} (run e2 overlay)" for line in drift[:20]]
     if len(drift) > 20:
@@ -118,7 +122,10 @@ def check_overlay(project: Project, plan: OverlayPlan) -> Check:
 
 def check_dockerfile(project: Project, series: Series, plan: OverlayPlan) -> Check:
     check = Check("Dockerfile equals what images/engine/Dockerfile.j2 renders")
-    check.problems += dockerfile_drift(project, series, plan.manifest)
+    try:
+        check.problems += dockerfile_drift(project, series, plan.manifest)
+    except E2Error as exc:  # a template that does not render
+        check.problems.append(str(exc))
     return check
 
 
@@ -134,7 +141,7 @@ def verify(project: Project, series: Series, upstream) -> list[Check]:
             checks.append(check_switch_reads(series, tree))
             checks.append(check_tests_exist(series, tree))
             plan = plan_overlay(series, project, tree)
-            checks.append(check_overlay(project, plan))
+            checks.append(check_overlay(project, series, plan))
             if has_dockerfile(project):  # projects without the image template skip it
                 checks.append(check_dockerfile(project, series, plan))
     except E2Error as exc:

@@ -126,3 +126,29 @@ def test_export_refuses_an_am_in_progress(e2):
         pass
     _, _, err = e2("export", expect=1)
     assert "a git am is in progress" in err
+
+
+def test_comments_in_series_yaml_survive_export(e2):
+    from e2.apply import UpstreamOptions, apply_series
+
+    copy_real_patches(e2)
+    text = e2.series_text()
+    text = text.replace("patches:\n", "patches:\n# ordered: 0001 is the switch registry\n", 1)
+    text = text.replace("  tests:\n", "  tests:  # the seam tests of this patch\n", 1)
+    text = text.replace("  site_packages:", "  # where vllm lives in the base image\n"
+                        "  site_packages:", 1)
+    e2.project.series_file.write_text(text)
+    # a sparse worktree (the files the patches touch) is enough: export reads commits
+    apply_series(e2.project, e2.project.load(), e2.work, UpstreamOptions(e2.cache), sparse=True)
+    _, out, _ = e2("export")
+    assert "already match" in out and e2.series_text() == text   # byte for byte
+    repo = e2.worktree()
+    repo.git.commit("-q", "--amend", "-m", "envs: strict switches, renamed")
+    e2("export")
+    after = e2.series_text()
+    assert "# ordered: 0001 is the switch registry\n" in after
+    assert "  tests:  # the seam tests of this patch\n" in after
+    assert "  # where vllm lives in the base image\n" in after
+    assert "title: 'envs: strict switches, renamed'" in after
+    assert "file: 0001-envs-strict-switches-renamed.patch" in after
+    assert after.count("\n") == text.count("\n")   # only the changed lines changed

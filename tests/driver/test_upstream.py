@@ -25,7 +25,8 @@ def small_sdist(version: str = "9.9.0") -> bytes:
     """A tiny sdist-shaped tarball: one top folder holding a vllm package."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        for name, text in {"vllm/__init__.py": "VERSION = '%s'\n" % version,
+        for name, text in {"PKG-INFO": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n",
+                           "vllm/__init__.py": "VERSION = '%s'\n" % version,
                            "vllm/envs.py": "X = 1\n", ".gitignore": "/vllm/envs.py\n"}.items():
             data = text.encode()
             info = tarfile.TarInfo(f"vllm-{version}/{name}")
@@ -108,7 +109,7 @@ def test_sdist_is_downloaded_verified_and_committed(tmp_path, monkeypatch):
     assert repo.git.rev_parse("refs/tags/v9.9.0^{commit}") == commit
     # the sdist's own .gitignore must not drop files it ships
     assert sorted(repo.git.ls_tree("-r", "--name-only", commit).split()) == [
-        ".gitignore", "vllm/__init__.py", "vllm/envs.py"]
+        ".gitignore", "PKG-INFO", "vllm/__init__.py", "vllm/envs.py"]
     assert (cache.downloads / "vllm-9.9.0.tar.gz").read_bytes() == data
     # importing is deterministic: the same sdist gives the same commit anywhere
     other = UpstreamCache(tmp_path / "other")
@@ -160,10 +161,12 @@ def test_local_tree_is_imported_with_a_warning(tmp_path, capsys):
     tree = tmp_path / "tree" / "vllm"
     tree.mkdir(parents=True)
     (tree / "__init__.py").write_text("\n")
+    (tree / "_version.py").write_text("__version__ = version = '9.9.0'\n")
     cache = UpstreamCache(tmp_path / "cache")
     commit = cache.ensure(pin(b"unused"), local=tree.parent)
     assert "without a hash check" in capsys.readouterr().err
-    assert git.Repo(cache.repo_dir).git.ls_tree("-r", "--name-only", commit) == "vllm/__init__.py"
+    assert git.Repo(cache.repo_dir).git.ls_tree("-r", "--name-only", commit).split() == [
+        "vllm/__init__.py", "vllm/_version.py"]
 
 
 def remote_with_tag(tmp_path: Path, version: str) -> tuple[Path, str]:

@@ -90,10 +90,21 @@ def test_overlay_drift_is_named(e2):
     (e2.project.overlay_dir / "vllm/envs.py").write_text("edited by hand\n")
     (e2.project.overlay_dir / "vllm/extra.py").write_text("x\n")
     _, out, _ = e2("verify", expect=1)
-    assert "differs: overlay/vllm/envs.py (run e2 overlay)" in out
-    assert "extra: overlay/vllm/extra.py (run e2 overlay)" in out
+    assert "overlay/vllm/envs.py does not match overlay/MANIFEST.json" in out
+    assert "overlay/vllm/extra.py is not in overlay/MANIFEST.json (run e2 overlay)" in out
     e2("overlay")
     e2("verify")
+    # consistent with its manifest, but not what the series generates
+    import hashlib, json
+    manifest_path = e2.project.overlay_dir / "MANIFEST.json"
+    manifest = json.loads(manifest_path.read_text())
+    (e2.project.overlay_dir / "vllm/envs.py").write_text("edited by hand\n")
+    for entry in manifest["files"]:
+        if entry["path"] == "vllm/envs.py":
+            entry["sha256"] = hashlib.sha256(b"edited by hand\n").hexdigest()
+    manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _, out, _ = e2("verify", expect=1)
+    assert "differs: overlay/vllm/envs.py (run e2 overlay)" in out
 
 
 def test_inexact_patch_fails_verify(e2):
@@ -126,4 +137,4 @@ def test_status_reports_pin_patches_and_sync(e2):
     patch = next(e2.project.patches_dir.glob("0001-*"))
     patch.write_text(patch.read_text() + "\n")
     _, out, _ = e2("status", expect=1)
-    assert "overlay/ was built from another series (run e2 overlay)" in out
+    assert "out of sync: overlay/ was made from series " in out

@@ -160,10 +160,10 @@ def test_one_rebase_at_a_time(crafted):
     rebase_to_conflict(e2, "0.32.0")
     _, _, err = e2("rebase", "--onto", "0.33.0", expect=1)
     assert "a rebase is already in progress" in err
-    with FileLock(str(e2.root / ".e2" / "rebase.lock")):
+    with FileLock(str(e2.root / ".e2" / "lock")):
         result = e2_process(e2, "rebase", "--abort")
     assert result.returncode == 1
-    assert "another e2 rebase is running on this checkout" in result.stderr
+    assert "another e2 command (apply, export, overlay or rebase) is changing" in result.stderr
     e2("rebase", "--abort")
 
 
