@@ -114,6 +114,15 @@ def test_a_case_that_missed_its_path_fails(probe_run, tmp_path, capsys):
     assert code == 1 and "stock: no preemption" in err
 
 
+def test_e2_preempting_more_than_stock_fails(probe_run, tmp_path, capsys):
+    record = copy.deepcopy(probe_run["record"])
+    stock = record["sides"]["stock"]["modes"]["sync"]["cases"]["oversubscribed"]
+    e2 = record["sides"]["e2"]["modes"]["sync"]["cases"]["oversubscribed"]
+    e2["preemptions"] = stock["preemptions"] + 1
+    code, _, err = _rejudge(record, tmp_path, capsys)
+    assert code == 1 and f"e2 preempted {stock['preemptions'] + 1} times" in err
+
+
 def test_an_e2_side_without_the_overlay_fails(probe_run, tmp_path, capsys):
     record = copy.deepcopy(probe_run["record"])
     for mode in record["sides"]["e2"]["modes"].values():
