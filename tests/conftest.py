@@ -94,7 +94,17 @@ def e2(tmp_path: Path, upstream_cache: UpstreamCache, capsys) -> E2:
     return E2(root, upstream_cache, capsys)
 
 
-def copy_real_patches(e2: E2) -> None:
-    """The project's own series (patches and metadata) in the scratch project."""
-    shutil.copytree(REPO_ROOT / "patches", e2.project.patches_dir, dirs_exist_ok=True)
-    shutil.copy(REPO_ROOT / "series.yaml", e2.project.series_file)
+def copy_real_patches(e2: E2, through: str | None = None) -> None:
+    """The project's own series (patches and metadata) in the scratch project;
+    with ``through``, only its patches up to that id (in canonical form)."""
+    if through is None:
+        shutil.copytree(REPO_ROOT / "patches", e2.project.patches_dir, dirs_exist_ok=True)
+        shutil.copy(REPO_ROOT / "series.yaml", e2.project.series_file)
+        return
+    data = load_series(REPO_ROOT / "series.yaml").model_dump(mode="json")
+    ids = [patch["id"] for patch in data["patches"]]
+    data["patches"] = data["patches"][:ids.index(through) + 1]
+    e2.project.patches_dir.mkdir(exist_ok=True)
+    for patch in data["patches"]:
+        shutil.copy(REPO_ROOT / "patches" / patch["file"], e2.project.patches_dir)
+    e2.project.series_file.write_text(dump_series(data))

@@ -26,7 +26,7 @@ def test_apply_then_export_round_trips_the_real_series_byte_identically(e2):
 
 
 def test_round_trip_after_an_edit_changes_only_that_patch(e2):
-    copy_real_patches(e2)
+    copy_real_patches(e2, through="0001")
     before_patches, before_series = snapshot(e2)
     e2("apply")
     repo = e2.worktree()
@@ -47,7 +47,7 @@ def test_round_trip_after_an_edit_changes_only_that_patch(e2):
 
 
 def test_new_commit_gets_a_placeholder_that_verify_names(e2):
-    copy_real_patches(e2)
+    copy_real_patches(e2, through="0001")
     e2("apply")
     e2.commit_edit(ENVS, "def get_default_config_root():\n",
                    "def get_default_config_root():\n    _ = 'VLLM_E2_NEW'\n", "envs: new thing")
@@ -62,7 +62,7 @@ def test_new_commit_gets_a_placeholder_that_verify_names(e2):
 
 
 def test_retitled_patch_keeps_its_metadata(e2):
-    copy_real_patches(e2)
+    copy_real_patches(e2, through="0001")
     _, series_before = snapshot(e2)
     e2("apply")
     e2.worktree().git.commit("-q", "--amend", "-m", "envs: E2 switch registry (retitled)")
@@ -75,7 +75,7 @@ def test_retitled_patch_keeps_its_metadata(e2):
 
 
 def test_dropped_commit_is_reported_and_removed(e2):
-    copy_real_patches(e2)
+    copy_real_patches(e2, through="0001")
     e2("apply")
     e2.commit_edit(ENVS, "def get_default_config_root():\n",
                    "def get_default_config_root():\n    _ = 'VLLM_E2_NEW'\n", "envs: new thing")
@@ -131,7 +131,7 @@ def test_export_refuses_an_am_in_progress(e2):
 def test_comments_in_series_yaml_survive_export(e2):
     from e2.apply import UpstreamOptions, apply_series
 
-    copy_real_patches(e2)
+    copy_real_patches(e2, through="0001")
     text = e2.series_text()
     text = text.replace("patches:\n", "patches:\n# ordered: 0001 is the switch registry\n", 1)
     text = text.replace("  tests:\n", "  tests:  # the seam tests of this patch\n", 1)

@@ -7,8 +7,8 @@ import shutil
 
 import yaml
 
-from conftest import copy_real_patches
-from e2.series import dump_series
+from conftest import REPO_ROOT, copy_real_patches
+from e2.series import dump_series, load_series
 
 
 def edit_series(e2, change) -> None:
@@ -26,7 +26,8 @@ def test_the_real_series_verifies(e2):
     real_project(e2)
     _, out, _ = e2("verify")
     assert out.count("ok  ") == 7
-    assert "series verified: 1 patches on v0.31.0" in out
+    count = len(load_series(REPO_ROOT / "series.yaml").patches)
+    assert f"series verified: {count} patches on v0.31.0" in out
 
 
 def test_missing_patch_file_is_named(e2):
@@ -122,11 +123,14 @@ def test_status_reports_pin_patches_and_sync(e2):
     state = json.loads(out)
     assert state["upstream"]["version"] == "0.31.0"
     assert state["upstream_cached"] is True
-    assert state["patches"] == [{
-        "id": "0001", "title": "envs: strict VLLM_E2_* switch registry and E2 boot report",
-        "file": "0001-envs-strict-vllm-e2-switch-registry-and-e2-boot.patch",
-        "switch": "VLLM_E2_REPORT", "default": "1", "compiled": False}]
-    assert state["overlay_files"] == 4
+    # What status reports is the project's own series and overlay, entry by entry.
+    series = load_series(REPO_ROOT / "series.yaml")
+    assert state["patches"] == [
+        {"id": p.id, "title": p.title, "file": p.file, "switch": p.switch.name,
+         "default": p.switch.default, "compiled": p.switch.compiled} for p in series.patches]
+    assert state["patches"][0]["switch"] == "VLLM_E2_REPORT"
+    manifest = json.loads((REPO_ROOT / "overlay" / "MANIFEST.json").read_text())
+    assert state["overlay_files"] == len(manifest["files"]) >= 4
     assert state["in_sync"] is True
     _, out, _ = e2("status")
     assert "VLLM_E2_REPORT" in out and "in sync" in out
