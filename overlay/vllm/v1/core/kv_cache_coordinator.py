@@ -245,11 +245,15 @@ class KVCacheCoordinator(ABC):
                     apply_admission_cap=apply_admission_cap,
                     prefill_end=prefill_end,
                 )
-                touched = [
-                    b for b in new_computed_blocks[i] if b.ref_cnt == 0 and not b.is_null
-                ]
-                slab_touched += touched
-                slab_new_blocks += max(0, needed - len(touched))
+                if new_computed_blocks[i]:
+                    touched = [
+                        b
+                        for b in new_computed_blocks[i]
+                        if b.ref_cnt == 0 and not b.is_null
+                    ]
+                    slab_touched += touched
+                    needed -= len(touched)
+                slab_new_blocks += max(0, needed)
             elif isinstance(manager, CrossAttentionManager):
                 # For cross-attention, we issue a single static allocation
                 # of blocks based on the number of encoder input tokens.

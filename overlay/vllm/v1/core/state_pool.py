@@ -298,6 +298,22 @@ def decode_growth_blocks(coordinator: KVCacheCoordinator, request: Request) -> i
     return blocks
 
 
+def reserve_running_requests(
+    coordinator: KVCacheCoordinator, running: Iterable[Request], add: bool = False
+) -> None:
+    """Set (or, with ``add``, raise) what admission keeps for ``running``: the
+    slab blocks of their decode headroom and their align-mode boundary states."""
+    blocks = pages = 0
+    for request in running:
+        blocks += decode_growth_blocks(coordinator, request)
+        pages += boundary_state_pages(coordinator, request)
+    if add:
+        blocks += coordinator.slab_reserved_blocks
+        pages += coordinator.reserved_state_pages
+    coordinator.slab_reserved_blocks = blocks
+    coordinator.reserved_state_pages = pages
+
+
 # ---------------------------------------------------------------- pools
 
 
@@ -483,6 +499,8 @@ class SlabPool(BlockPool):
         """Pool pages an allocation of ``num_new_blocks`` fresh blocks after
         touching the free cached blocks ``touched`` consumes, exactly as
         ``touch`` then ``get_new_blocks`` will spend them."""
+        if not num_new_blocks and not touched:
+            return 0  # a decode step inside its last block: the common case
         queue = self.free_block_queue
         k = self.blocks_per_page
         per_page: dict[int, int] = {}

@@ -53,7 +53,7 @@ from vllm.v1.core.sched.request_queue import (
     create_request_queue,
 )
 from vllm.v1.core.sched.utils import check_stop, remove_all
-from vllm.v1.core.state_pool import boundary_state_pages, decode_growth_blocks
+from vllm.v1.core.state_pool import reserve_running_requests
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
@@ -871,16 +871,10 @@ class Scheduler(SchedulerInterface):
             assert len(scheduled_loras) <= self.lora_config.max_loras
 
         # Next, schedule the WAITING requests.
+        # vLLM E2: admission keeps what the running requests may still take,
+        # counted once per step at the first admission (state_pool.py).
         coordinator = self.kv_cache_manager.coordinator
-        if coordinator.slab_pool is not None:
-            # vLLM E2: admission keeps what the running requests may still
-            # take (state_pool.py).
-            coordinator.slab_reserved_blocks = sum(
-                decode_growth_blocks(coordinator, req) for req in self.running
-            )
-            coordinator.reserved_state_pages = sum(
-                boundary_state_pages(coordinator, req) for req in self.running
-            )
+        reserve_counted = coordinator.slab_pool is None
         if not preempted_reqs and self._pause_state == PauseState.UNPAUSED:
             step_skipped_waiting: deque[Request] = deque()
             step_skipped_kv_holding: deque[Request] = deque()
@@ -1217,6 +1211,9 @@ class Scheduler(SchedulerInterface):
                 # Replayed tokens are already counted in the adopted hit; a
                 # chunk that ends inside the replayed range needs no new slots.
                 num_tokens_past_hit = max(num_new_tokens - num_replay_tokens, 0)
+                if not reserve_counted:
+                    reserve_running_requests(coordinator, self.running)
+                    reserve_counted = True
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request,
                     num_tokens_past_hit,
@@ -1302,12 +1299,7 @@ class Scheduler(SchedulerInterface):
                 self.deferred_waiting.discard(request)
                 self.running.append(request)
                 if coordinator.slab_pool is not None:
-                    coordinator.slab_reserved_blocks += decode_growth_blocks(
-                        coordinator, request
-                    )
-                    coordinator.reserved_state_pages += boundary_state_pages(
-                        coordinator, request
-                    )
+                    reserve_running_requests(coordinator, [request], add=True)
                 if num_external_computed_tokens > 0:
                     # load_kv_async is False here
                     has_sync_kv_loads = True
