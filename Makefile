@@ -8,8 +8,12 @@ STRICT ?=
 .PHONY: install verify overlay render image pin base-cpu test test-driver test-image test-env seam \
 	upstream-tests validate probe-cpu capacity-baseline probe-gpu bench
 
+# pip install -e, skipped while $(PYTHON) already imports e2 from this checkout
+# and pyproject.toml is older than the last install (keeps `make image` quick).
 install:
-	$(PYTHON) -m pip install -q -e '.[test]'
+	@$(PYTHON) -c 'import os, sys, e2; sys.exit(os.path.realpath(e2.__file__) != os.path.realpath("scripts/e2/__init__.py"))' 2>/dev/null \
+		&& [ .e2/installed -nt pyproject.toml ] \
+		|| { echo "$(PYTHON) -m pip install -q -e '.[test]'"; $(PYTHON) -m pip install -q -e '.[test]' && mkdir -p .e2 && touch .e2/installed; }
 
 verify: install
 	$(E2) verify
