@@ -45,6 +45,10 @@ stop() {
     kill "$pid"
     n=0; while kill -0 "$pid" 2>/dev/null && [ $n -lt 60 ]; do n=$((n + 1)); sleep 0.5; done
     kill -0 "$pid" 2>/dev/null && { echo "ci/dockerd.sh: dockerd $pid still running" >&2; exit 1; }
+    # dockerd leaves its default network namespace mounted: release it so $dir can be removed
+    for ns in "$dir"/exec/netns/*; do
+        if [ -e "$ns" ]; then umount "$ns" 2>/dev/null || true; fi
+    done
     rm -f "$pidfile"
 }
 

@@ -99,9 +99,15 @@ def clone(tmp_path_factory, docker_client) -> Clone:
     try:
         yield made
     finally:
-        subprocess.run(["sh", str(root / "ci" / "dockerd.sh"), "stop"], env=env,
-                       capture_output=True)
-        shutil.rmtree(work, ignore_errors=True)
+        started = time.monotonic()
+        stopped = subprocess.run(["sh", str(root / "ci" / "dockerd.sh"), "stop"], env=env,
+                                 capture_output=True, text=True)
+        stop_s = time.monotonic() - started
+        shutil.rmtree(work, ignore_errors=True)  # the daemon's data root: the CPU base
+        print(f"clean clone teardown: daemon stopped in {stop_s:.0f} s, removed in "
+              f"{time.monotonic() - started - stop_s:.0f} s")
+        assert stopped.returncode == 0, stopped.stderr
+        assert not work.exists(), f"{work} could not be removed"
 
 
 def _built(result: subprocess.CompletedProcess, seconds: float) -> Built:
