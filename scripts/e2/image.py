@@ -493,7 +493,7 @@ def run_pin(args: argparse.Namespace) -> int:
         with console.status(f"asking the registry for {ref}"):
             digest = client.images.get_registry_data(ref).id
     except docker.errors.DockerException as exc:  # one line: nothing is written
-        raise E2Error(f"cannot pin {ref}: no registry answered for it ({_docker_reason(exc)}); "
+        raise E2Error(f"cannot pin {ref}: no digest from its registry ({_docker_reason(exc)}); "
                       "series.yaml unchanged") from None
     if series.image.digest == digest:
         console.out.print(f"{ref} already pinned to {digest}", markup=False)

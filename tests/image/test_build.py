@@ -126,5 +126,5 @@ def test_pin_without_a_registry_refuses_in_one_line(project, docker_client):
     result = project.e2("image", "pin", expect=1)
     assert result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(f"error: cannot pin e2-absent/vllm-openai:v{VERSION}: no "
-                                    "registry answered for it (")
+                                    "digest from its registry (")
     assert (series.read_bytes(), (project.root / "Dockerfile").read_bytes()) == before
