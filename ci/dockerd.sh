@@ -2,6 +2,8 @@
 # Start or stop a private Docker daemon for the image tests and `make image`.
 #   eval "$(ci/dockerd.sh start)"   # prints: export DOCKER_HOST=unix://...
 #   ci/dockerd.sh stop
+# `e2 image build` (make image) runs `start` itself when no engine answers.
+# start prints to stderr only when it started a daemon (not when one was up).
 # State lives under $E2_DOCKERD_DIR (default $XDG_CACHE_HOME/vllm-e2/dockerd) so
 # images (the CPU base, the busybox stand-in) survive between CI runs. No
 # iptables, no bridge: builds run with network_mode=none and the e2e test
@@ -25,6 +27,7 @@ start() {
         while [ $n -lt 60 ]; do
             if DOCKER_HOST="unix://$sock" docker version >/dev/null 2>&1 \
                || python3 -c "import docker,sys; docker.DockerClient(base_url='unix://$sock').ping()" 2>/dev/null; then
+                echo "ci/dockerd.sh: started dockerd $! ($driver, data root $dir/data, log $dir/dockerd.log)" >&2
                 echo "export DOCKER_HOST=unix://$sock"; return 0
             fi
             kill -0 $! 2>/dev/null || break   # exited: try the next storage driver
@@ -42,6 +45,10 @@ stop() {
     kill "$pid"
     n=0; while kill -0 "$pid" 2>/dev/null && [ $n -lt 60 ]; do n=$((n + 1)); sleep 0.5; done
     kill -0 "$pid" 2>/dev/null && { echo "ci/dockerd.sh: dockerd $pid still running" >&2; exit 1; }
+    # dockerd leaves its default network namespace mounted: release it so $dir can be removed
+    for ns in "$dir"/exec/netns/*; do
+        if [ -e "$ns" ]; then umount "$ns" 2>/dev/null || true; fi
+    done
     rm -f "$pidfile"
 }
 

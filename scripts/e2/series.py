@@ -426,6 +426,24 @@ def render_series(data: dict, previous: str | None) -> str:
     return buffer.getvalue()
 
 
+def write_image_digest(path: Path, digest: str) -> None:
+    """Set image.digest in series.yaml; every other byte of the file stays as it is."""
+    if not _DIGEST.match(digest):
+        raise E2Error(f"{digest!r} is not a digest (sha256:<64 hex>)")
+    text = path.read_text(encoding="utf-8")
+    series = parse_series(text, path)
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    image = next(value for key, value in root.value if key.value == "image")
+    node = next((value for key, value in image.value if key.value == "digest"), None)
+    if node is None:  # no digest key yet: canonical layout puts it after base
+        save_series(series.model_copy(update={
+            "image": series.image.model_copy(update={"digest": digest})}), path)
+        return
+    new = text[:node.start_mark.index] + digest + text[node.end_mark.index:]
+    parse_series(new, path)
+    write_atomic(path, new)
+
+
 # ---------------------------------------------------------------- identity
 
 

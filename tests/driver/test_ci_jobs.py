@@ -36,7 +36,7 @@ def test_gpu_workflow_runs_both_probes_on_the_self_hosted_runner():
     assert "e2 probe serve --docker --gpus all" in wrapper
     assert "e2 probe capacity --zoo" in wrapper
     assert "--boot --docker --gpus all" in wrapper
-    assert "e2 image build" in wrapper
+    assert "e2 image build --no-fallback" in wrapper  # the GPU image, never the CPU one
 
 
 def test_probe_gpu_without_a_host_is_a_usage_error():

@@ -54,6 +54,7 @@ def test_image_on_the_standin_carries_overlay_switches_and_labels(project, stand
     assert labels["org.vllm-e2.upstream.version"] == VERSION
     assert labels["org.vllm-e2.patches"] == ",".join(p.id for p in SERIES.patches)
     assert labels["org.vllm-e2.site-packages"] == site
+    assert labels["org.vllm-e2.base-kind"] == "other"  # neither the official nor the CPU base
     # The guard and the check wrote nothing (no python3 here to compile): the
     # engine records them as empty, and the overlay is the only new layer.
     base_layers = base.attrs["RootFS"]["Layers"]
@@ -73,8 +74,12 @@ def test_default_tag_names_version_and_series(project, standin, docker_client):
         pytest.skip(f"{tag} exists on this engine and is not the test's to overwrite")
     try:
         result = project.e2("image", "build", "--base", standin.tag)
-        assert f"built {tag}" in result.stdout
+        assert f"built {tag} " in result.stdout
         docker_client.images.get(tag)
+        # no entrypoint, not the CUDA base: vllm serve as the command, no --gpus
+        [line] = [line.strip() for line in result.stdout.splitlines() if " docker run " in line]
+        assert line == ('docker run --rm --network host --shm-size 1g -v "$MODEL":/model:ro '
+                        f"{tag} vllm serve /model")  # DOCKER_HOST is the caller's: no prefix
     finally:  # the test removes what it made
         try:
             docker_client.images.remove(tag)
@@ -109,8 +114,33 @@ def _overlay_line(stdout: str) -> str:
                 if line.startswith("overlay layer"))
 
 
-def test_base_that_cannot_be_pulled_names_the_local_route(project, docker_client):
+def test_explicit_base_that_cannot_be_pulled_is_not_replaced(project, docker_client):
     result = project.e2("image", "build", "--base", f"e2-absent/base:{VERSION}", expect=1)
     message = " ".join(result.stderr.split())
     assert f"cannot pull the base e2-absent/base:{VERSION}" in message
-    assert f"make base-cpu, then make image BASE=e2-base-cpu:{VERSION}" in message
+    assert f"leave out --base: make image then builds on the local CPU base " \
+           f"e2-base-cpu:{VERSION}" in message
+    assert "building on the CPU base" not in message  # an explicit base is never swapped
+
+
+def test_no_fallback_refuses_an_unpullable_pinned_base_in_one_line(project, docker_client):
+    series = project.root / "series.yaml"
+    series.write_text(series.read_text().replace(f"base: {SERIES.image.base}",
+                                                 f"base: e2-absent/vllm-openai:v{VERSION}"))
+    result = project.e2("image", "build", "--no-fallback", expect=1)
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("warning:")]
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith(f"error: cannot pull the base e2-absent/vllm-openai:v{VERSION} (")
+    assert errors[0].endswith("--no-fallback: not building on the CPU base")
+
+
+def test_pin_without_a_registry_refuses_in_one_line(project, docker_client):
+    series = project.root / "series.yaml"
+    series.write_text(series.read_text().replace(f"base: {SERIES.image.base}",
+                                                 f"base: e2-absent/vllm-openai:v{VERSION}"))
+    before = series.read_bytes(), (project.root / "Dockerfile").read_bytes()
+    result = project.e2("image", "pin", expect=1)
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"error: cannot pin e2-absent/vllm-openai:v{VERSION}: no "
+                                    "digest from its registry (")
+    assert (series.read_bytes(), (project.root / "Dockerfile").read_bytes()) == before

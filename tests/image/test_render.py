@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from e2.image import (DOCKERFILE, OVERLAY_TAR, check_base_ref, dockerfile_drift,
-                      render_dockerfile, reproducible_tar, synced_manifest, tag_version)
+from e2.image import (DOCKERFILE, OVERLAY_TAR, base_kind, check_base_ref, default_tag,
+                      dockerfile_drift, pin_base, render_dockerfile, reproducible_tar,
+                      synced_manifest, tag_version)
 from e2.imagebase import apt_mirror
 from e2.errors import E2Error
 from e2.series import Project as SeriesProject, load_series
@@ -142,3 +143,33 @@ def test_apt_mirror_comes_from_the_apt_sources(tmp_path: Path):
     assert apt_mirror((tmp_path / "none", legacy)) == "http://old.example/debian"
     with pytest.raises(E2Error, match="no Debian mirror"):
         apt_mirror((tmp_path / "none",))
+
+
+def test_pin_writes_the_digest_and_keeps_every_other_byte(project):
+    series_file, dockerfile = project.root / "series.yaml", project.root / DOCKERFILE
+    before = series_file.read_text().splitlines()
+    digest = "sha256:" + "ab" * 32
+    pin_base(SeriesProject(project.root), digest)
+    after = series_file.read_text().splitlines()
+    changed = [(old, new) for old, new in zip(before, after) if old != new]
+    assert len(before) == len(after) and changed == [("  digest: null", f"  digest: {digest}")]
+    assert f"ARG BASE={SERIES.image.base}@{digest}" in dockerfile.read_text()
+    assert f"ARG BASE_DIGEST={digest}" in dockerfile.read_text()
+    project.e2("verify")  # series.yaml and the Dockerfile agree
+
+
+def test_pin_refuses_what_is_not_a_digest(project):
+    before = (project.root / "series.yaml").read_bytes()
+    with pytest.raises(E2Error, match="not a digest"):
+        pin_base(SeriesProject(project.root), "latest")
+    assert (project.root / "series.yaml").read_bytes() == before
+
+
+def test_cpu_base_tags_cannot_pass_for_the_gpu_image():
+    digest = "0123456789ab" + "0" * 52
+    assert default_tag(SERIES, digest) == f"vllm-e2:{VERSION}-0123456789ab"
+    assert default_tag(SERIES, digest, "cpu") == f"vllm-e2:{VERSION}-0123456789ab-cpu"
+    assert base_kind(SERIES.image.base, {}, SERIES) == "cuda"
+    assert base_kind(f"{SERIES.image.base.split(':')[0]}@sha256:" + "1" * 64, {}, SERIES) == "cuda"
+    assert base_kind(f"e2-base-cpu:{VERSION}", {"org.vllm-e2.base-recipe": "x"}, SERIES) == "cpu"
+    assert base_kind(f"e2-standin:{VERSION}", {}, SERIES) == "other"
