@@ -58,10 +58,10 @@ RULES = (
           r"torch\.cuda\.\w+ is not available|no CUDA-capable device)"),
     _rule("device-only", "needs an accelerator ({what})",
           r"(?P<what>Cannot access accelerator device when none is available)"),
-    _rule("device-only", "needs a CUDA/ROCm platform (skipped: {what})",
-          r"^Skipped: (?P<what>.*(?:CUDA|cuda|GPU|gpu|ROCm|rocm|XPU|xpu|TPU|Hopper|"
-          r"Blackwell|compute capability|FlashAttention|FlashInfer|flashinfer|"
-          r"[Tt]riton|NCCL|nccl|multi-?GPU|[0-9]+ GPUs).*)$"),
+    _rule("device-only", "needs pinned host memory, which needs an accelerator",
+          r"pin_memory=True requires a CUDA or other accelerator backend"),
+    _rule("device-only", "vLLM's CPU attention backend needs a model config the GPU backends "
+          "do without ({what})", r"(?P<what>v1/attention/backends/cpu_attn\.py:\d+)"),
     _rule("device-only", "needs Triton GPU kernels ({what})",
           r"(?P<what>Triton is not installed|triton\.\w+ could not be imported|"
           r"No module named 'triton[\w.]*')"),
@@ -69,6 +69,13 @@ RULES = (
           r"(?P<what>(?:NCCL|nccl) (?:is )?not available|"
           r"ProcessGroupNCCL is only supported with GPUs)"),
 )
+
+
+# A skip is device-only when its reason names what a CPU-only machine lacks.
+DEVICE_SKIP = re.compile(r"CUDA|cuda|GPU|gpu|ROCm|rocm|XPU|xpu|TPU|NVIDIA|[Aa]ccelerator|"
+                         r"[Tt]riton|NCCL|nccl|graph pool|allocator|Hopper|Blackwell|"
+                         r"FLASHINFER|FlashInfer|flashinfer|FlashAttention|compute capability|"
+                         r"DBO|device")
 
 
 @dataclass(frozen=True)
@@ -80,8 +87,13 @@ class Verdict:
     e2: str
 
 
-def explain(message: str) -> tuple[str, str]:
+def explain(message: str, outcome: str = "failed") -> tuple[str, str]:
     """(class, reason) for a test that does not pass on either side, from stock's message."""
+    if outcome == "skipped":
+        reason = next((line.strip() for line in message.splitlines() if line.strip()), "")
+        reason = reason.removeprefix("Skipped: ")[:300]
+        return ("device-only" if DEVICE_SKIP.search(message) else "unexplained",
+                f"skipped: {reason}" if reason else "skipped")
     for rule in RULES:
         found = rule.pattern.search(message)
         if found:
@@ -115,7 +127,8 @@ def classify(stock: dict[str, str], e2: dict[str, str], messages: dict[str, str]
         elif after == "passed":
             verdicts.append(Verdict(test, "new-pass", f"{before} on stock", before, after))
         else:
-            kind, reason = explain(messages.get(test, "") or e2_messages.get(test, ""))
+            kind, reason = explain(messages.get(test, "") or e2_messages.get(test, ""),
+                                   before if before != "absent" else after)
             verdicts.append(Verdict(test, kind, reason, before, after))
     return verdicts
 

@@ -57,12 +57,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
-    return _as_fixture_phase()
+    return (yield from _as_fixture_phase())
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
-    return _as_fixture_phase()
+    return (yield from _as_fixture_phase())
 
 
 def _as_fixture_phase():
