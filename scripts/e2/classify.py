@@ -58,6 +58,8 @@ RULES = (
           r"torch\.cuda\.\w+ is not available|no CUDA-capable device)"),
     _rule("device-only", "needs an accelerator ({what})",
           r"(?P<what>Cannot access accelerator device when none is available)"),
+    _rule("device-only", "needs torchvision, whose wheels pull a CUDA torch (the CPU test env "
+          "removes it)", r"No module named 'torchvision"),
     _rule("device-only", "needs pinned host memory, which needs an accelerator",
           r"pin_memory=True requires a CUDA or other accelerator backend"),
     _rule("device-only", "vLLM's CPU attention backend needs a model config the GPU backends "

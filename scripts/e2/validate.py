@@ -162,6 +162,9 @@ class Sides:
         paths = [str(self.view.path)] if side == "e2" else []
         env["PYTHONPATH"] = os.pathsep.join([*paths, str(HARNESS)])  # the view stays first
         env["HF_HUB_CACHE"] = str(self.hub_cache)
+        # -P for every python the tests start too (vLLM inspects models in a subprocess):
+        # the patched checkout's vllm/ in the cwd must never shadow the side's package
+        env["PYTHONSAFEPATH"] = "1"
         return {**env, **(switches or {})}
 
     def run(self, side: str, targets: list[str], label: str,
@@ -345,11 +348,12 @@ def upstream_markdown(header: dict, suites: list[str], runs: dict[str, PytestRun
              "- both sides: the offline model store (`HF_HUB_CACHE`, `HF_HUB_OFFLINE=1`) and "
              f"the CPU harness (`-p {HARNESS_PLUGIN}`)", "",
              "| run | result | seconds |", "|---|---|---|"]
-    lines += [f"| {name} | {run.summary()} | {run.seconds:.0f} |" for name, run in runs.items()]
+    lines += [f"| {name.replace('e2', 'E2')} | {run.summary()} | {run.seconds:.0f} |"
+              for name, run in runs.items()]
     lines += ["", f"**{tally['regression']} regressions**. Every test that does not pass on "
               "both sides, by class:", "", "| class | tests |", "|---|---|"]
     lines += [f"| {kind} | {count} |" for kind, count in tally.items()]
-    stock_files, e2_files = per_file(runs["stock"]), per_file(runs["E2"])
+    stock_files, e2_files = per_file(runs["stock"]), per_file(runs["e2"])
     lines += ["", "## Per file", "", "| file | stock | E2 |", "|---|---|---|"]
     lines += [f"| `{f}` | {_counts_cell(stock_files.get(f, {}))} | "
               f"{_counts_cell(e2_files.get(f, {}))} |"
@@ -385,17 +389,17 @@ def run_upstream(args: argparse.Namespace) -> int:
             raise E2Error("no such suite in the patched tree: " + ", ".join(missing))
         sides = prepare_sides(args, project, series, tree, "upstream")
         runs = {"stock": sides.run("stock", suites, "upstream stock"),
-                "E2": sides.run("e2", suites, "upstream e2", switches)}
+                "e2": sides.run("e2", suites, "upstream e2", switches)}
         if not runs["stock"].outcomes:
             raise E2Error(f"the stock run reported no tests (exit {runs['stock'].returncode})",
                           hint=f"see {runs['stock'].log}")
-        again = rerun_targets(runs["stock"], runs["E2"])
+        again = rerun_targets(runs["stock"], runs["e2"])
         if len(again) > RERUN_LIMIT:
             console.warn(f"{len(again)} tests differ between the sides; not rerunning stock "
                          "to look for flaky ones")
         elif again:
             runs["stock again"] = sides.run("stock", again, "upstream stock again")
-    stock, e2 = runs["stock"], runs["E2"]
+    stock, e2 = runs["stock"], runs["e2"]
     verdicts = classify(stock.outcomes, e2.outcomes, stock.messages, e2.messages,
                         runs["stock again"].outcomes if "stock again" in runs else {})
     tally = counts(verdicts)
