@@ -60,6 +60,8 @@ RULES = (
           r"(?P<what>Cannot access accelerator device when none is available)"),
     _rule("device-only", "needs torchvision, whose wheels pull a CUDA torch (the CPU test env "
           "removes it)", r"No module named 'torchvision"),
+    _rule("device-only", "vLLM's CPU attention backend takes only block sizes that are a "
+          "multiple of 32 ({what})", r"(?P<what>No common block size for \d+ \(CPU_ATTN[^)]*\))"),
     _rule("device-only", "needs pinned host memory, which needs an accelerator",
           r"pin_memory=True requires a CUDA or other accelerator backend"),
     _rule("device-only", "vLLM's CPU attention backend needs a model config the GPU backends "
