@@ -62,6 +62,9 @@ RULES = (
           "removes it)", r"No module named 'torchvision"),
     _rule("device-only", "vLLM's CPU attention backend takes only block sizes that are a "
           "multiple of 32 ({what})", r"(?P<what>No common block size for \d+ \(CPU_ATTN[^)]*\))"),
+    _rule("device-only", "vLLM cannot import {what} in the CPU test env (its transformers image "
+          "processors import torchvision, which the env removes)",
+          r"Model architectures \[(?P<what>[^\]]+)\] failed to be inspected"),
     _rule("device-only", "needs pinned host memory, which needs an accelerator",
           r"pin_memory=True requires a CUDA or other accelerator backend"),
     _rule("device-only", "vLLM's CPU attention backend needs a model config the GPU backends "
