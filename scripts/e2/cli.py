@@ -6,14 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from e2 import (apply, console, crash, export, image, overlay, probe, rebase, status,
+from e2 import (apply, console, crash, export, image, models, overlay, probe, rebase, status,
                 testenv, validate, verify)
 from e2.apply import UpstreamOptions
 from e2.errors import E2Error
 from e2.series import Project
 from e2.upstream import UpstreamCache, default_cache_dir
 
-VERBS = (apply, overlay, verify, export, status, rebase, testenv, validate, image, probe)
+VERBS = (apply, overlay, verify, export, status, rebase, testenv, validate, image, probe,
+         models)
 
 
 def build_parser() -> argparse.ArgumentParser:

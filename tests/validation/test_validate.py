@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from e2.validate import compare, parse_junit
+from e2.classify import classify, counts
+from e2.validate import parse_junit
 from validation_helpers import add_patch, cpu_env, real_project, results  # noqa: F401
 
 ENVS = "vllm/envs.py"
@@ -51,51 +52,123 @@ def test_seam_fails_a_patch_whose_tests_pass_on_stock(real_project, tmp_path):
     assert [c["ok"] for c in patch["checks"]] == [True, True, False]
 
 
+BLOCK_POOL = "vllm/v1/core/block_pool.py"
+DEFERRED_FREE = "tests/v1/core/test_deferred_block_free.py"
+# Builds a scheduler for facebook/opt-125m (from the offline model store), then checks
+# the block pool gets back every block a finished request held.
+FREES_ALL = f"{DEFERRED_FREE}::test_gate_disabled_without_connector"
+NO_FREE = f"{DEFERRED_FREE}::test_gate_enabled_for_async_consumer"
+
+
+def leaking_block_pool_patch(e2) -> None:
+    """0002: the block pool keeps one block of every batch it frees (a changed free count)."""
+    add_patch(e2, [(BLOCK_POOL, "self.free_block_queue.prepend_n(blocks_to_evict_first)",
+                    "self.free_block_queue.prepend_n(blocks_to_evict_first[1:])")],
+              "block pool: leak a block per free", "VLLM_E2_LEAK",
+              "tests/e2/test_switch_registry.py")
+
+
 @pytest.mark.slow
-def test_upstream_reports_regression(real_project, tmp_path):
-    breaking_patch(real_project)
-    suites = [SHM_TEST, "tests/test_envs.py::test_is_envs_cache_enabled"]
-    _, out, _ = real_project("test", "upstream", *[a for s in suites for a in ("--suite", s)],
+def test_upstream_reports_a_broken_block_pool_as_regression(real_project, tmp_path):
+    leaking_block_pool_patch(real_project)
+    _, out, _ = real_project("test", "upstream", "--suite", FREES_ALL, "--suite", NO_FREE,
                              "--report", str(tmp_path), expect=1)
-    assert "regression" in out and "test_object_storage_shm_default_name" in out
+    assert "regression" in out and "test_gate_disabled_without_connector" in out
     data = results(tmp_path, "upstream")
-    (regression,) = data["regressions"].values()
-    assert regression == {"stock": "passed", "e2": "failed"}
-    assert data["unchanged"] == 1 and not data["new_passes"] and not data["failing_on_both"]
-    assert "**1 regressions**" in (tmp_path / "upstream.md").read_text()
+    assert data["runs"]["stock"]["outcomes"] == {FREES_ALL: "passed", NO_FREE: "passed"}
+    assert data["regressions"] == {FREES_ALL: {"stock": "passed", "e2": "failed"}}
+    verdict = data["verdicts"][FREES_ALL]
+    assert verdict["class"] == "regression" and "assert" in verdict["reason"]
+    # the stock rerun of the differing test confirmed it is not flaky
+    assert data["runs"]["stock_again"]["outcomes"] == {FREES_ALL: "passed"}
+    assert data["classes"]["regression"] == 1 and data["classes"]["flaky"] == 0
+    markdown = (tmp_path / "upstream.md").read_text()
+    assert "**1 regressions**" in markdown and "| regression | 1 |" in markdown
 
 
 @pytest.mark.slow
 def test_upstream_clean_series_has_no_regression(real_project, tmp_path):
-    real_project("test", "upstream", "--suite", SHM_TEST, "--report", str(tmp_path))
+    real_project("test", "upstream", "--suite", FREES_ALL, "--suite", SHM_TEST,
+                 "--switches-off", "--report", str(tmp_path))
     data = results(tmp_path, "upstream")
-    assert not data["regressions"] and data["unchanged"] == 1
-    assert data["runs"]["stock"]["outcomes"] == data["runs"]["e2"]["outcomes"]
+    assert data["e2_switches"] == {"VLLM_E2_REPORT": "0"}
+    assert not data["regressions"] and not data["verdicts"]
+    assert data["runs"]["stock"]["outcomes"] == data["runs"]["e2"]["outcomes"] == {
+        FREES_ALL: "passed", SHM_TEST: "passed"}
+    assert "stock_again" not in data["runs"]
 
 
-def test_compare_classifies_outcomes():
+@pytest.mark.slow
+def test_upstream_test_that_flips_on_stock_is_flaky(real_project, tmp_path, monkeypatch):
+    """A test that passes once and then fails: stock passes, E2 fails, stock's rerun fails."""
+    monkeypatch.setenv("E2_FLIP_MARKER", str(tmp_path / "flipped"))
+    add_patch(real_project, [("tests/test_e2_flips.py", None,
+                              "import os, pathlib\n\n\ndef test_flips():\n"
+                              "    marker = pathlib.Path(os.environ['E2_FLIP_MARKER'])\n"
+                              "    first = not marker.exists()\n"
+                              "    marker.touch()\n"
+                              "    assert first, 'ran before'\n")],
+              "tests: a test that flips", "VLLM_E2_FLIPS", "tests/e2/test_switch_registry.py")
+    real_project("test", "upstream", "--suite", "tests/test_e2_flips.py",
+                 "--report", str(tmp_path / "report"))
+    data = results(tmp_path / "report", "upstream")
+    test = "tests/test_e2_flips.py::test_flips"
+    assert data["verdicts"][test] == {"class": "flaky", "reason": "stock gave passed, then failed",
+                                      "stock": "passed", "e2": "failed"}
+    assert not data["regressions"] and data["classes"]["flaky"] == 1
+
+
+def test_classify_gives_every_non_pass_a_class():
     stock = {"a": "passed", "b": "passed", "c": "failed", "d": "failed", "e": "skipped",
-             "f": "passed"}
+             "f": "passed", "h": "error", "i": "skipped", "j": "failed", "k": "passed"}
     e2 = {"a": "passed", "b": "failed", "c": "failed", "d": "passed", "e": "error",
-          "g": "passed"}
-    result = compare(stock, e2)
-    assert result.regressions == {"b": ("passed", "failed"), "e": ("skipped", "error"),
-                                  "f": ("passed", "absent")}
-    assert result.new_passes == {"d": ("failed", "passed"), "g": ("absent", "passed")}
-    assert result.both_fail == ["c"] and result.same == 1
+          "g": "passed", "h": "error", "i": "skipped", "j": "failed", "k": "failed"}
+    messages = {
+        "c": "ValueError: Invalid repository ID or local directory specified: 'org/model'.",
+        "h": "RuntimeError: Torch not compiled with CUDA enabled",
+        "i": "Skipped: Requires CUDA for the fused kernel",
+        "j": "AssertionError: 3 == 4"}
+    e2_messages = {"b": "AssertionError: free blocks 9 != 10\nmore", "k": "boom"}
+    verdicts = {v.test: v for v in classify(stock, e2, messages, e2_messages,
+                                             stock_again={"b": "passed", "k": "failed"})}
+    assert set(verdicts) == set("bcdefghijk")  # only "a" passes on both
+    assert (verdicts["b"].kind, verdicts["b"].reason) == (
+        "regression", "AssertionError: free blocks 9 != 10")
+    assert verdicts["e"].kind == "regression"  # skipped on stock, error on E2
+    assert (verdicts["f"].kind, verdicts["f"].e2) == ("regression", "absent")
+    assert (verdicts["k"].kind, verdicts["k"].reason) == (
+        "flaky", "stock gave passed, then failed")
+    assert verdicts["d"].kind == verdicts["g"].kind == "new-pass"
+    assert (verdicts["c"].kind, verdicts["c"].reason) == (
+        "hub-data", "no model org/model in the offline store")
+    assert verdicts["h"].kind == "device-only" and "CUDA" in verdicts["h"].reason
+    assert verdicts["i"].kind == "device-only" and "fused kernel" in verdicts["i"].reason
+    assert (verdicts["j"].kind, verdicts["j"].reason) == ("unexplained", "AssertionError: 3 == 4")
+    assert counts(list(verdicts.values())) == {
+        "regression": 3, "flaky": 1, "new-pass": 2, "device-only": 2, "hub-data": 1,
+        "unexplained": 1}
 
 
-def test_parse_junit_worst_outcome_wins(tmp_path):
+def test_parse_junit_node_ids_and_worst_outcome(tmp_path):
     xml = tmp_path / "r.xml"
     xml.write_text(
         '<testsuites><testsuite>'
-        '<testcase classname="tests.t" name="ok"/>'
-        '<testcase classname="tests.t" name="bad"><failure message="x"/></testcase>'
-        '<testcase classname="tests.t" name="skip"><skipped message="s"/></testcase>'
-        '<testcase classname="tests.t" name="teardown"><failure/><error/></testcase>'
+        '<testcase classname="tests.t" name="ok" file="tests/t.py"/>'
+        '<testcase classname="tests.t" name="bad" file="tests/t.py">'
+        '<failure message="AssertionError: 1 == 2">def test_bad():\n&gt;   assert 1 == 2\n'
+        'E   assert 1 == 2</failure></testcase>'
+        '<testcase classname="tests.t.TestGroup" name="skip[x-1]" file="tests/t.py">'
+        '<skipped message="Skipped: needs CUDA"/></testcase>'
+        '<testcase classname="tests.t" name="teardown" file="tests/t.py"><failure/>'
+        '<error message="failed on teardown with &quot;RuntimeError: x&quot;"/></testcase>'
         '<testcase classname="" name="tests.broken"><error message="collection"/></testcase>'
         '</testsuite></testsuites>')
-    assert parse_junit(xml) == {"tests.t::ok": "passed", "tests.t::bad": "failed",
-                                "tests.t::skip": "skipped", "tests.t::teardown": "error",
-                                "tests.broken": "error"}
-    assert parse_junit(tmp_path / "missing.xml") == {}
+    outcomes, messages = parse_junit(xml)
+    assert outcomes == {"tests/t.py::ok": "passed", "tests/t.py::bad": "failed",
+                        "tests/t.py::TestGroup::skip[x-1]": "skipped",
+                        "tests/t.py::teardown": "error", "tests.broken": "error"}
+    assert messages == {"tests/t.py::bad": "AssertionError: 1 == 2\nassert 1 == 2",
+                        "tests/t.py::TestGroup::skip[x-1]": "Skipped: needs CUDA",
+                        "tests/t.py::teardown": 'failed on teardown with "RuntimeError: x"',
+                        "tests.broken": "collection"}
+    assert parse_junit(tmp_path / "missing.xml") == ({}, {})
