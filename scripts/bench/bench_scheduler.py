@@ -135,13 +135,29 @@ def make_runtime() -> Runtime:
     return Runtime(env.python, view.path, None, probe.stdout.strip() == "True")
 
 
+@dataclass(frozen=True)
+class SwitchedOff(Runtime):
+    """The E2 side with VLLM_E2_STATE_POOL=0 (E2's files on upstream's path): the
+    benchmark against itself, whose ratio shows the measurement's own error."""
+
+    def env(self, side: str) -> dict[str, str]:
+        env = super().env(side)
+        if side == "e2":
+            env["VLLM_E2_STATE_POOL"] = "0"
+        return env
+
+
+def expected_pool(runtime: Runtime, side: str) -> str:
+    return "PagePool" if side == "e2" and not isinstance(runtime, SwitchedOff) else "BlockPool"
+
+
 def start_both(runtime: Runtime, mode: str, bench: StepBench | Soak, log_dir: Path,
                extra: list[str]) -> dict[str, Worker]:
     workers = {side: Worker(runtime, side, mode, bench, log_dir, extra) for side in SIDES}
     try:
         for worker in workers.values():
             hello = worker.receive()
-            expected = "PagePool" if worker.side == "e2" else "BlockPool"
+            expected = expected_pool(runtime, worker.side)
             if hello["pool"] != expected:
                 raise E2Error(f"the {worker.side} side runs a {hello['pool']}, not a "
                               f"{expected} ({hello['vllm_file']})",
@@ -259,7 +275,7 @@ def print_soak(soak: Soak, results: dict[str, dict]) -> bool:
                 if slab and r["audit"]["clean"] else "")
         print(f"  {side:5}  {r['finished']}/{r['requests']} finished ({r['aborted']} aborted), "
               f"{r['steps']} steps, {r['preemptions']} preemptions, {r['prefix_hit_tokens']} "
-              f"prefix-hit tokens, {r['seconds']:.0f} s; leaked blocks "
+              f"prefix-hit tokens, {r['seconds']:.0f} s ({r['cpu_seconds']:.0f} s CPU); leaked blocks "
               f"{r['audit']['leaked_blocks']}{held}")
         problems += soak_problems(side, r)
     for problem in problems:
@@ -275,6 +291,9 @@ def main() -> int:
     parser.add_argument("--soak-requests", type=int, default=Soak.requests)
     parser.add_argument("--seed", type=int, default=0, help="the soak's seed")
     parser.add_argument("--only", choices=("steps", "soak"), help="run one of the two")
+    parser.add_argument("--control", action="store_true",
+                        help="run the E2 side with VLLM_E2_STATE_POOL=0: the ratio then "
+                             "measures the benchmark's own error (expect 1.00)")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1 or args.soak_requests < 1 or args.warmup < 0:
         parser.error("--rounds, --steps and --soak-requests must be positive")
@@ -283,6 +302,9 @@ def main() -> int:
                 workload=WorkloadSpec(**{**asdict(Soak().workload), "seed": args.seed}))
     try:
         runtime = make_runtime()
+        if args.control:
+            runtime = SwitchedOff(**asdict(runtime))
+            print("control: the e2 side runs with VLLM_E2_STATE_POOL=0")
         with tempfile.TemporaryDirectory(prefix="e2-bench-sched-") as tmp:
             ok = True
             if args.only != "soak":

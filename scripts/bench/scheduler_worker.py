@@ -224,7 +224,7 @@ def run_soak(args: argparse.Namespace, harness: SchedulerHarness, spec: Workload
     for shape, step in zip(shapes, arrive):
         if shape.abort_after is not None:
             aborts.setdefault(step + shape.abort_after, []).append(shape.request_id)
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
     scheduler = harness.scheduler
     next_shape = aborted = 0
     step = 0
@@ -241,7 +241,7 @@ def run_soak(args: argparse.Namespace, harness: SchedulerHarness, spec: Workload
         step += 1
         if step > MAX_STEPS:
             raise RuntimeError(f"the soak did not finish in {MAX_STEPS} steps")
-    seconds = time.monotonic() - started
+    seconds, cpu_seconds = time.monotonic() - started, time.process_time() - cpu_started
     unfinished = [r for r, req in harness.requests.items() if not req.is_finished()]
     short = [r for r, req in harness.requests.items()
              if req.is_finished() and req.status.name == "FINISHED_LENGTH_CAPPED"
@@ -253,7 +253,7 @@ def run_soak(args: argparse.Namespace, harness: SchedulerHarness, spec: Workload
           "prefix_query_tokens": harness.prefix_queries,
           "prompt_tokens": sum(len(s.prompt) for s in shapes),
           "max_batch": max(harness.batch_sizes, default=0),
-          "seconds": round(seconds, 2), "audit": audit(harness), "planner": harness.planner})
+          "seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2), "audit": audit(harness), "planner": harness.planner})
 
 
 def main() -> int:
