@@ -42,7 +42,7 @@ report = {"running": w.audit(harness)}
 for request_id in list(harness.requests):
     harness.abort(request_id)
 report["aborted"] = w.audit(harness)
-slab = harness.scheduler.kv_cache_manager.coordinator.slab_pool
+slab = getattr(harness.scheduler.kv_cache_manager.coordinator, "slab_pool", None)
 if slab is not None:
     slab.get_new_blocks(1)
     report["stray_slab_block"] = w.audit(harness)
