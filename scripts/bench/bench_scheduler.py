@@ -36,7 +36,7 @@ from scheduler_workload import WorkloadSpec, step_ratio  # noqa: E402
 
 from e2 import testenv  # noqa: E402
 from e2.errors import E2Error  # noqa: E402
-from e2.probe import STUBS, ZOO, Runtime  # noqa: E402
+from e2.probe import ZOO, Runtime  # noqa: E402
 from e2.series import Project  # noqa: E402
 from e2.upstream import default_cache_dir  # noqa: E402
 
