@@ -47,7 +47,8 @@ SIDES = ("stock", "e2")
 
 @dataclass(frozen=True)
 class StepBench:
-    """The saturated workload: decode-heavy requests, always more waiting than run."""
+    """The saturated workload: decode-heavy requests, the batch full at
+    max_num_seqs on both sides with requests always waiting behind it."""
 
     model: str = "Qwen3.5-0.8B"
     budget_gib: float = 10.0
@@ -209,6 +210,7 @@ def run_steps(runtime: Runtime, bench: StepBench, rounds: int, steps: int, warmu
     figures["batch"] = sum(b for b, _ in schedule["stock"]) / len(schedule["stock"])
     for side in SIDES:
         figures[f"{side}_preemptions"] = last[side]["preemptions"]
+        figures[f"{side}_usage"] = last[side]["usage"]
         figures[f"{side}_waiting"] = last[side]["waiting"]
         figures[f"{side}_num_blocks"] = planners[side]["num_blocks"]
     return figures
@@ -258,8 +260,10 @@ def print_steps(bench: StepBench, figures: dict, steps: int) -> bool:
           f"wall {wall['e2_median']:.2f})   ratio {figures['ratio']:.3f} "
           f"(target <= {STEP_TARGET})")
     print(f"         the ratio is the median of {figures['steps']} paired steps' ratios (batch "
-          f"{figures['batch']:.0f} on both); round ratios {figures['round_ratio_min']:.2f}.."
-          f"{figures['round_ratio_max']:.2f}, wall {wall['ratio']:.3f}")
+          f"{figures['batch']:.0f} on both, KV usage at the end {figures['stock_usage']:.0%} "
+          f"stock, {figures['e2_usage']:.0%} E2); round ratios "
+          f"{figures['round_ratio_min']:.2f}..{figures['round_ratio_max']:.2f}, "
+          f"wall {wall['ratio']:.3f}")
     return ok
 
 
