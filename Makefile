@@ -9,7 +9,8 @@ STRICT ?=
 UPSTREAM ?=
 
 .PHONY: install verify overlay render image pin base-cpu test test-driver test-image test-env seam \
-	upstream-tests validate probe-cpu capacity-baseline probe-gpu bench
+	upstream-tests validate probe-cpu capacity-baseline probe-gpu bench bench-driver \
+	bench-scheduler
 
 # pip install -e, skipped while $(PYTHON) already imports e2 from this checkout
 # and pyproject.toml is older than the last install (keeps `make image` quick).
@@ -82,5 +83,17 @@ test-image: install
 probe-gpu: install
 	scripts/probe-gpu.sh $(HOST)
 
+# Both benchmarks run even when the first misses its target; either miss fails.
 bench: install
+	$(PYTHON) scripts/bench/bench_driver.py; driver=$$?; \
+	$(PYTHON) scripts/bench/bench_scheduler.py $(BENCH_SCHEDULER_ARGS); scheduler=$$?; \
+	test $$driver -eq 0 && test $$scheduler -eq 0
+
+# e2 apply / verify / rebase against git on a 20-patch series.
+bench-driver: install
 	$(PYTHON) scripts/bench/bench_driver.py
+
+# vLLM's v1 scheduler, stock vs E2 in the CPU test env: step time and the leak
+# soak (BENCH_SCHEDULER_ARGS, e.g. --soak-requests 2000).
+bench-scheduler: install
+	$(PYTHON) scripts/bench/bench_scheduler.py $(BENCH_SCHEDULER_ARGS)

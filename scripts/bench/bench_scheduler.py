@@ -1,0 +1,328 @@
+"""Benchmarks of vLLM's v1 scheduler, stock vs E2 in one run: step time on a
+saturated workload, and a leak soak with preemption and prefix hits.
+
+Run: python scripts/bench/bench_scheduler.py [--rounds N] [--soak-requests N]
+
+Both sides run scheduler_worker.py in the CPU test venv (made or reused as by
+`e2 env --overlay`): stock without the e2 view on PYTHONPATH, E2 with it. The
+KV cache is planned from a zoo config.json as a CUDA boot would plan it.
+
+* Step time: one worker per side stays up; the driver alternates short rounds
+  between them (stock-E2, then E2-stock), so a shared machine's changing load
+  hits both sides alike. Reported: the median step time per side and the
+  median of the per-round ratios (target <= 1.05).
+* Soak: N seeded requests of random length arriving in bursts (shared
+  prefixes, client aborts, mamba cache mode `align` with prefix caching, a
+  pool small enough to preempt), stepped to the end on each side. Every
+  request must finish, the pool's free count must return to its start, no
+  block may stay referenced and, on E2, every slab page must be idle and
+  reclaim fully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scheduler_workload import WorkloadSpec, step_ratio  # noqa: E402
+
+from e2 import testenv  # noqa: E402
+from e2.errors import E2Error  # noqa: E402
+from e2.probe import ZOO, Runtime  # noqa: E402
+from e2.series import Project  # noqa: E402
+from e2.upstream import default_cache_dir  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "scheduler_worker.py"
+STEP_TARGET = 1.05
+SIDES = ("stock", "e2")
+
+
+@dataclass(frozen=True)
+class StepBench:
+    """The saturated workload: decode-heavy requests, the batch full at
+    max_num_seqs on both sides with requests always waiting behind it."""
+
+    model: str = "Qwen3.5-0.8B"
+    budget_gib: float = 10.0
+    max_num_seqs: int = 256
+    mamba_cache_mode: str = "none"
+    workload: WorkloadSpec = field(default_factory=lambda: WorkloadSpec(
+        seed=1, prompt_min=16, prompt_max=2048, decode_min=16, decode_max=512,
+        num_prefixes=0))
+
+
+@dataclass(frozen=True)
+class Soak:
+    model: str = "Qwen3.5-0.8B"
+    budget_gib: float = 1.0           # 160 pool pages: ~30 requests at once, so it preempts
+    max_num_seqs: int = 256
+    mamba_cache_mode: str = "align"   # prefix caching on, as align requires
+    requests: int = 10_000
+    mean_burst: int = 8
+    workload: WorkloadSpec = field(default_factory=lambda: WorkloadSpec(
+        seed=0, abort_share=0.02))
+
+
+# ---------------------------------------------------------------- workers
+
+
+class Worker:
+    """scheduler_worker.py on one side; JSON lines come back on a pipe of their own."""
+
+    def __init__(self, runtime: Runtime, side: str, mode: str, bench: StepBench | Soak,
+                 log_dir: Path, extra: list[str]):
+        self.side = side
+        self.log = log_dir / f"{mode}-{side}.log"
+        read_fd, write_fd = os.pipe()
+        command = [str(runtime.python), str(WORKER), mode, "--model", str(ZOO / bench.model),
+                   "--budget-gib", str(bench.budget_gib),
+                   "--max-num-seqs", str(bench.max_num_seqs),
+                   "--mamba-cache-mode", bench.mamba_cache_mode,
+                   "--workload", json.dumps(asdict(bench.workload)),
+                   "--result-fd", str(write_fd), *extra]
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                env=runtime.env(side), cwd=log_dir, pass_fds=(write_fd,), text=True)
+        os.close(write_fd)
+        self.results: IO[str] = os.fdopen(read_fd)
+
+    def receive(self) -> dict:
+        line = self.results.readline()
+        if not line:
+            self.process.wait()
+            tail = "\n".join(self.log.read_text().splitlines()[-20:])
+            raise E2Error(f"the {self.side} worker exited {self.process.returncode} "
+                          f"without a result; last lines of {self.log}:\n{tail}")
+        message = json.loads(line)
+        if "error" in message:
+            raise E2Error(f"{self.side} worker: {message['error']}\n{message['traceback']}")
+        return message
+
+    def ask(self, request: dict) -> dict:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self.receive()
+
+    def close(self) -> None:
+        if self.process.stdin:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.results.close()
+
+
+def make_runtime() -> Runtime:
+    """The CPU test env and its e2 view, made or reused exactly as `e2 env --overlay`."""
+    project = Project.find(Path(__file__).resolve().parent)
+    env, view = testenv.prepare(project, project.load(), default_cache_dir(), "cpu",
+                                overlay=True)
+    assert view is not None
+    probe = subprocess.run([str(env.python), "-c", "import importlib.util as u; "
+                            "print(u.find_spec('torchvision') is None)"],
+                           capture_output=True, text=True, timeout=120)
+    return Runtime(env.python, view.path, None, probe.stdout.strip() == "True")
+
+
+@dataclass(frozen=True)
+class SwitchedOff(Runtime):
+    """The E2 side with VLLM_E2_STATE_POOL=0 (E2's files on upstream's path): the
+    benchmark against itself, whose ratio shows the measurement's own error."""
+
+    def env(self, side: str) -> dict[str, str]:
+        env = super().env(side)
+        if side == "e2":
+            env["VLLM_E2_STATE_POOL"] = "0"
+        return env
+
+
+def expected_pool(runtime: Runtime, side: str) -> str:
+    return "PagePool" if side == "e2" and not isinstance(runtime, SwitchedOff) else "BlockPool"
+
+
+def start_both(runtime: Runtime, mode: str, bench: StepBench | Soak, log_dir: Path,
+               extra: list[str]) -> dict[str, Worker]:
+    workers = {side: Worker(runtime, side, mode, bench, log_dir, extra) for side in SIDES}
+    try:
+        for worker in workers.values():
+            hello = worker.receive()
+            expected = expected_pool(runtime, worker.side)
+            if hello["pool"] != expected:
+                raise E2Error(f"the {worker.side} side runs a {hello['pool']}, not a "
+                              f"{expected} ({hello['vllm_file']})",
+                              hint="is the e2 view current? e2 overlay; e2 env --overlay")
+    except BaseException:
+        for worker in workers.values():
+            worker.close()
+        raise
+    return workers
+
+
+# ---------------------------------------------------------------- benches
+
+
+def run_steps(runtime: Runtime, bench: StepBench, rounds: int, steps: int, warmup: int,
+              log_dir: Path) -> dict:
+    workers = start_both(runtime, "steps", bench, log_dir, [])
+    try:
+        planners = {side: w.receive()["planner"] for side, w in workers.items()}
+        for worker in workers.values():
+            worker.ask({"steps": warmup})
+        cpu: dict[str, list[list[float]]] = {side: [] for side in SIDES}
+        wall: dict[str, list[list[float]]] = {side: [] for side in SIDES}
+        schedule: dict[str, list[tuple[int, int]]] = {side: [] for side in SIDES}
+        last: dict[str, dict] = {}
+        for round_ in range(rounds):
+            # stock-E2, then E2-stock: neither side always runs right after the other.
+            for side in SIDES if round_ % 2 == 0 else SIDES[::-1]:
+                reply = workers[side].ask({"steps": steps})
+                cpu[side].append([ns / 1e6 for ns in reply["cpu_ns"]])
+                wall[side].append([ns / 1e6 for ns in reply["wall_ns"]])
+                schedule[side] += zip(reply["batch"], reply["tokens"])
+                last[side] = reply
+    finally:
+        for worker in workers.values():
+            worker.close()
+    # Step j is the same step on both sides only while both schedule alike; a
+    # pool that binds on one side and not the other breaks the pairing.
+    if schedule["stock"] != schedule["e2"]:
+        diverged = next(i for i, (s, e) in enumerate(zip(schedule["stock"], schedule["e2"]))
+                        if s != e)
+        raise E2Error(f"the two sides scheduled differently from step {diverged} on "
+                      f"({schedule['stock'][diverged]} vs {schedule['e2'][diverged]} "
+                      "requests/tokens): the step times do not pair",
+                      hint="give the step benchmark a budget where the batch, not the "
+                           "pool, binds on both sides")
+    figures = step_ratio(cpu["stock"], cpu["e2"])
+    figures["wall"] = step_ratio(wall["stock"], wall["e2"])
+    figures["batch"] = sum(b for b, _ in schedule["stock"]) / len(schedule["stock"])
+    for side in SIDES:
+        figures[f"{side}_preemptions"] = last[side]["preemptions"]
+        figures[f"{side}_usage"] = last[side]["usage"]
+        figures[f"{side}_waiting"] = last[side]["waiting"]
+        figures[f"{side}_num_blocks"] = planners[side]["num_blocks"]
+    return figures
+
+
+def run_soak(runtime: Runtime, soak: Soak, log_dir: Path) -> dict[str, dict]:
+    extra = ["--requests", str(soak.requests), "--mean-burst", str(soak.mean_burst)]
+    results = {}
+    # One side after the other: each side's seconds are its own.
+    for side in SIDES:
+        worker = Worker(runtime, side, "soak", soak, log_dir, extra)
+        try:
+            worker.receive()
+            results[side] = worker.receive()
+        finally:
+            worker.close()
+    return results
+
+
+def soak_problems(side: str, result: dict) -> list[str]:
+    """Why a side's soak failed; empty when it passed."""
+    problems = []
+    if result["finished"] != result["requests"]:
+        problems.append(f"{side}: {result['requests'] - result['finished']} requests never "
+                        f"finished (first: {', '.join(result['unfinished'])})")
+    if result["wrong_length"]:
+        problems.append(f"{side}: requests finished with the wrong number of tokens: "
+                        f"{', '.join(result['wrong_length'])}")
+    if not result["audit"]["clean"]:
+        problems.append(f"{side}: the pool is not back to its start: "
+                        f"{json.dumps(result['audit'])}")
+    return problems
+
+
+# ---------------------------------------------------------------- report
+
+
+def print_steps(bench: StepBench, figures: dict, steps: int) -> bool:
+    ok = figures["ratio"] <= STEP_TARGET
+    print(f"scheduler step, {bench.model}, {bench.budget_gib:g} GiB, {bench.max_num_seqs} seqs, "
+          f"mamba cache {bench.mamba_cache_mode}, saturated; {figures['rounds']} rounds of "
+          f"{steps} steps a side, interleaved")
+    wall = figures["wall"]
+    print(f"  stock  schedule+update  {figures['stock_median']:6.2f} ms CPU/step (median; "
+          f"wall {wall['stock_median']:.2f})   (baseline)")
+    print(f"  e2     schedule+update  {figures['e2_median']:6.2f} ms CPU/step (median; "
+          f"wall {wall['e2_median']:.2f})   ratio {figures['ratio']:.3f} "
+          f"(target <= {STEP_TARGET})")
+    print(f"         the ratio is the median of {figures['steps']} paired steps' ratios (batch "
+          f"{figures['batch']:.0f} on both, KV usage at the end {figures['stock_usage']:.0%} "
+          f"stock, {figures['e2_usage']:.0%} E2); round ratios "
+          f"{figures['round_ratio_min']:.2f}..{figures['round_ratio_max']:.2f}, "
+          f"wall {wall['ratio']:.3f}")
+    return ok
+
+
+def print_soak(soak: Soak, results: dict[str, dict]) -> bool:
+    print(f"soak, {soak.requests} requests (seed {soak.workload.seed}), {soak.model}, "
+          f"{soak.budget_gib:g} GiB ({results['stock']['planner']['num_blocks']} pages), "
+          f"mamba cache {soak.mamba_cache_mode} + prefix caching")
+    problems = []
+    for side in SIDES:
+        r = results[side]
+        slab = r["audit"].get("slab")
+        held = (f", slab pages held at the end {slab['held_pages']} (all idle, reclaimed)"
+                if slab and r["audit"]["clean"] else "")
+        print(f"  {side:5}  {r['finished']}/{r['requests']} finished ({r['aborted']} aborted), "
+              f"{r['steps']} steps, {r['preemptions']} preemptions, {r['prefix_hit_tokens']} "
+              f"prefix-hit tokens, {r['seconds']:.0f} s ({r['cpu_seconds']:.0f} s CPU); leaked blocks "
+              f"{r['audit']['leaked_blocks']}{held}")
+        problems += soak_problems(side, r)
+    for problem in problems:
+        print(f"  LEAK {problem}")
+    return not problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20, help="step-time rounds a side")
+    parser.add_argument("--steps", type=int, default=50, help="steps per round")
+    parser.add_argument("--warmup", type=int, default=200, help="untimed steps first")
+    parser.add_argument("--soak-requests", type=int, default=Soak.requests)
+    parser.add_argument("--seed", type=int, default=0, help="the soak's seed")
+    parser.add_argument("--only", choices=("steps", "soak"), help="run one of the two")
+    parser.add_argument("--control", action="store_true",
+                        help="run the E2 side with VLLM_E2_STATE_POOL=0: the ratio then "
+                             "measures the benchmark's own error (expect 1.00)")
+    args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 1 or args.soak_requests < 1 or args.warmup < 0:
+        parser.error("--rounds, --steps and --soak-requests must be positive")
+    bench = StepBench()
+    soak = Soak(requests=args.soak_requests,
+                workload=WorkloadSpec(**{**asdict(Soak().workload), "seed": args.seed}))
+    try:
+        runtime = make_runtime()
+        if args.control:
+            runtime = SwitchedOff(**asdict(runtime))
+            print("control: the e2 side runs with VLLM_E2_STATE_POOL=0")
+        with tempfile.TemporaryDirectory(prefix="e2-bench-sched-") as tmp:
+            ok = True
+            if args.only != "soak":
+                figures = run_steps(runtime, bench, args.rounds, args.steps, args.warmup,
+                                    Path(tmp))
+                ok &= print_steps(bench, figures, args.steps)
+            if args.only != "steps":
+                ok &= print_soak(soak, run_soak(runtime, soak, Path(tmp)))
+    except E2Error as exc:
+        print(f"error: {exc}" + (f"\n  hint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
+        return 2
+    print("PASS" if ok else "OVER TARGET")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
