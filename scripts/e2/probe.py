@@ -631,19 +631,22 @@ def render_matrix(record: dict, plot_name: str) -> str:
         f"blocks, both sides: {leaked}", "",
         "Cells are stock → E2 (one figure where they agree). Blocks: the attention "
         "block, stock's hybrid-aligned block → E2's natural one. Boot: the boot line's "
-        "`KV cache size` tokens and its maximum concurrency at max_model_len.", ""]
+        "`KV cache size` tokens and its maximum concurrency at max_model_len. "
+        "Preemptions: all of a workload (it submits a quarter more requests than the "
+        "ideal, or max_num_seqs) and those of steps that ran fewer requests than the "
+        "ideal, both prompt kinds and every L summed.", ""]
     if flags:
         lines += ["## Flagged E2 runs", ""] + [f"- {flag}" for flag in flags] + [""]
     by_setting: dict[str, list[dict]] = {}
     for run in record["runs"]:
         by_setting.setdefault(run["setting"], []).append(run)
     head = ("| model | backend | blocks | " + " | ".join(f"L={n}" for n in lengths)
-            + " | boot tokens | boot concurrency | preempt < ideal | leaked |")
+            + " | boot tokens | boot concurrency | preemptions | below ideal | leaked |")
     for setting, runs in by_setting.items():
         st = runs[0]["settings"]
         lines += [f"## {st['budget_gib']:g} GiB per rank, TP {st['tp']}, max_num_seqs "
                   f"{st['max_num_seqs']}, KV {st['kv_dtype']}, mamba {st['mamba_cache_mode']}",
-                  "", head, "|---|---|---|" + "---:|" * (len(lengths) + 4)]
+                  "", head, "|---|---|---|" + "---:|" * (len(lengths) + 5)]
         for run in runs:
             stock, e2 = run["stock"], run["e2"]
             ratios = []
@@ -660,6 +663,9 @@ def render_matrix(record: dict, plot_name: str) -> str:
             early_pair = tuple(sum(r[f"{k}_preemptions_below_ideal"] for r in side["rows"]
                                    for k in ("distinct", "shared_prefix"))
                                for side in (stock, e2))
+            preempt_pair = tuple(sum(r[f"{k}_preemptions"] for r in side["rows"]
+                                     for k in ("distinct", "shared_prefix"))
+                                 for side in (stock, e2))
             leak_pair = tuple(sum(r[f"{k}_leaked_blocks"] for r in side["rows"]
                                   for k in ("distinct", "shared_prefix"))
                               for side in (stock, e2))
@@ -669,7 +675,7 @@ def render_matrix(record: dict, plot_name: str) -> str:
                 + " | ".join(ratios) + " | "
                 f"{_pair(stock['boot_tokens'], e2['boot_tokens'], '{:,}')} | "
                 f"{_pair(stock['boot_concurrency'], e2['boot_concurrency'], '{:.2f}')} | "
-                f"{_pair(*early_pair)} | {_pair(*leak_pair)} |")
+                f"{_pair(*preempt_pair)} | {_pair(*early_pair)} | {_pair(*leak_pair)} |")
         lines.append("")
     lines += [f"![saturation over ideal vs L, stock dashed, E2 solid]({plot_name})", "",
               f"Per-run JSON (planner, groups, every workload figure): `{record['record']}`.",
