@@ -330,6 +330,10 @@ def test_matrix_flags_name_every_e2_shortfall():
     assert flags == ["M s L=4096 distinct: ratio 0.970 (97/100)",
                      "M s L=4096 distinct: 2 preemptions below the ideal",
                      "M s L=4096 shared_prefix: 1 leaked blocks"]
+    # E2 preempting more than stock in the same workload is a regression
+    fewer = {**row, "distinct_preemptions": 1}
+    runs[0]["stock"]["rows"] = [fewer]
+    assert "M s L=4096 distinct: 3 preemptions, stock 1" in probe.matrix_flags(runs)
 
 
 def test_matrix_covers_the_issues_scenarios():
