@@ -327,13 +327,16 @@ def test_matrix_flags_name_every_e2_shortfall():
     runs = [{"model": "M", "setting": "s", "stock": {"rows": [row]}, "e2": {"rows": [row]}},
             {"model": "N", "setting": "s", "stock": {"rows": [row]}, "e2": {"rows": [good]}}]
     flags = probe.matrix_flags(runs)
-    assert flags == ["M s L=4096 distinct: ratio 0.970 (97/100)",
-                     "M s L=4096 distinct: 2 preemptions below the ideal",
-                     "M s L=4096 shared_prefix: 1 leaked blocks"]
+    assert flags == ["M s L=4096: distinct: ratio 0.970 (97/100), 2 preemptions below "
+                     "the ideal; shared prefix: 1 leaked blocks"]
     # E2 preempting more than stock in the same workload is a regression
-    fewer = {**row, "distinct_preemptions": 1}
-    runs[0]["stock"]["rows"] = [fewer]
-    assert "M s L=4096 distinct: 3 preemptions, stock 1" in probe.matrix_flags(runs)
+    runs[1]["stock"]["rows"] = [{**good, "distinct_preemptions": 1}]
+    assert probe.matrix_flags(runs)[1:] == ["N s L=4096: distinct: 3 preemptions (stock 1)"]
+    # admitting past the ideal and preempting after is over-admission, whatever stock does
+    over = {**good, "distinct_saturation": 120, "distinct_ratio": 1.2}
+    runs[1]["stock"]["rows"] = runs[1]["e2"]["rows"] = [over]
+    assert probe.matrix_flags(runs)[1:] == [
+        "N s L=4096: distinct: admitted 120 of an ideal 100, then preempted"]
 
 
 def test_matrix_covers_the_issues_scenarios():
