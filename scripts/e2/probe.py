@@ -730,6 +730,7 @@ def plot_matrix(record: dict, path: Path) -> None:
         axis.axhline(E2_MIN_RATIO, color="grey", linewidth=0.6)
         axis.set_xscale("log", base=2)
         axis.set_title(setting, fontsize=9)
+        axis.set_xlabel("request length L (tokens)", fontsize=8)
         axis.grid(True, alpha=0.3)
     for axis in axes.flat[len(settings):]:
         axis.set_visible(False)

@@ -123,9 +123,16 @@ def emulate_cuda(capability: str) -> Any:
     target = DeviceCapability(major, minor)
 
     class TargetCudaPlatform(CudaPlatformBase):
+        # The target host has a GPU for every rank of the run (set per run).
+        num_gpus = 1
+
         @classmethod
         def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
             return target
+
+        @classmethod
+        def device_count(cls) -> int:
+            return cls.num_gpus
 
         @classmethod
         def get_device_name(cls, device_id: int = 0) -> str:
@@ -247,6 +254,7 @@ def build_config(job: Job, model: Path) -> tuple[Any, Any, dict]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
+    type(current_platform).num_gpus = job.tp
     engine_args = EngineArgs(
         model=str(model), skip_tokenizer_init=True, load_format="dummy",
         tensor_parallel_size=job.tp, max_num_seqs=job.max_num_seqs,
