@@ -625,6 +625,11 @@ def render_matrix(record: dict, plot_name: str) -> str:
     leaked = sum(row[f"{k}_leaked_blocks"] for run in record["runs"]
                  for side in SIDES for row in run[side]["rows"]
                  for k in ("distinct", "shared_prefix"))
+    workloads = sum(len(run["e2"]["rows"]) for run in record["runs"])
+    short = sorted((f"{row['distinct_ratio']:.3f} {run['model']} {run['setting']} "
+                    f"L={row['length']}" for run in record["runs"] for row in run["e2"]["rows"]
+                    if row["distinct_ratio"] is not None
+                    and row["distinct_ratio"] < E2_MIN_RATIO))
     lines = [
         "# KV capacity baseline", "",
         "How many requests of L tokens run at once, over the ideal of a separate state "
@@ -644,9 +649,12 @@ def render_matrix(record: dict, plot_name: str) -> str:
         "## Summary", "",
         f"- runs: {len(record['runs'])} scenarios x 2 sides; lowest E2 ratio (distinct "
         f"prompts): **{record['e2_min_ratio']:.3f}**",
-        f"- E2 flags (ratio < {E2_MIN_RATIO}, preemptions below the ideal or more than "
-        f"stock's, leaked blocks): **{len(flags)}**; E2 preemptions below the ideal: {early}; leaked "
-        f"blocks, both sides: {leaked}", "",
+        f"- E2 workloads flagged (ratio < {E2_MIN_RATIO}; admitted past the ideal, then "
+        f"preempted; preemptions below the ideal or more than stock's; leaked blocks): "
+        f"**{len(flags)}** of {workloads}; E2 preemptions below the ideal: {early}; "
+        f"leaked blocks, both sides: {leaked}",
+        f"- E2 workloads below {E2_MIN_RATIO} of the ideal: {len(short)}"
+        + (f" (lowest: {short[0]})" if short else ""), "",
         "Cells are stock → E2 (one figure where they agree). Blocks: the attention "
         "block, stock's hybrid-aligned block → E2's natural one. Boot: the boot line's "
         "`KV cache size` tokens and its maximum concurrency at max_model_len. "
@@ -765,7 +773,7 @@ def run_baseline(args: argparse.Namespace) -> int:
     _publish(docs / "capacity-baseline.md", render_matrix(record, "capacity-baseline.png"))
     console.info(f"wrote {docs / 'capacity-baseline.md'}, .png and "
                  f"{record['record']}: lowest E2 ratio {record['e2_min_ratio']:.3f}, "
-                 f"{len(record['flags'])} E2 runs flagged")
+                 f"{len(record['flags'])} E2 workloads flagged")
     return 0
 
 
