@@ -707,8 +707,9 @@ def render_matrix(record: dict, plot_name: str) -> str:
                 f"{_pair(*preempt_pair)} | {_pair(*early_pair)} | {_pair(*leak_pair)} |")
         lines.append("")
     lines += [f"![saturation over ideal vs L, stock dashed, E2 solid]({plot_name})", "",
-              f"Per-run JSON (planner, groups, every workload figure): `{record['record']}`.",
-              ""]
+              f"Summary record (every run and L, both prompt kinds): `{record['record']}`; "
+              "the worker's full JSON per run (planner, groups, steps) stays under "
+              f"`.e2/results/capacity-matrix/` of the machine that ran it.", ""]
     return "\n".join(lines)
 
 
