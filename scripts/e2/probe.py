@@ -36,7 +36,7 @@ from e2 import console
 from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.probes.serve import add_engine_image_arguments, add_serve_arguments
-from e2.series import Project, series_digest
+from e2.series import series_digest
 
 PROBES = Path(__file__).resolve().parent / "probes"
 WORKER = PROBES / "capacity_worker.py"

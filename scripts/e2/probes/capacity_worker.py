@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import sys
 import time
 import traceback
@@ -158,8 +157,6 @@ def emulate_cuda(capability: str) -> Any:
 def select_backend(vllm_config: Any) -> tuple[Any, dict]:
     """The attention backend a decoder attention layer of this model gets at boot,
     with the candidates and why the others were rejected."""
-    import torch
-
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
     from vllm.v1.attention.backend import MultipleOf
@@ -188,7 +185,6 @@ def select_backend(vllm_config: Any) -> tuple[Any, dict]:
     if missing:
         raise RuntimeError(f"backends of higher priority than {backend.get_name()} could "
                            f"not be imported here: {missing}")
-    del torch
     capability = current_platform.get_device_capability()
     return backend, {
         "name": backend.get_name(),
