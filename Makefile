@@ -68,10 +68,12 @@ validate: seam upstream-tests probe-cpu
 probe-cpu: test-env
 	$(E2) probe capacity --model Qwen3.5-0.8B --model Granite-4.0-H-Tiny --results .e2/results
 
-# Rewrite docs/capacity-baseline.md and .png from the whole zoo (needs matplotlib).
+# Rewrite docs/capacity-baseline.md and .png: the whole scenario matrix, stock and E2,
+# planned for CAPABILITY (default 8.6, RTX 3090). Resumes from .e2/results/capacity-matrix/.
+CAPABILITY ?= 8.6
 capacity-baseline: install
 	$(PYTHON) -m pip install -q -e '.[plot]'
-	$(E2) probe capacity --zoo --baseline
+	$(E2) probe capacity --baseline --capability $(CAPABILITY)
 
 test-driver: install
 	$(PYTHON) -m pytest tests/driver tests/rebase

@@ -3,11 +3,14 @@
 The pinned figures were measured on the CPU reference host (see
 docs/validation/capacity-*.md) and each is re-derived here from config.json,
 so a change in vLLM's planner or in the worker shows up as a mismatch of
-one against the other.
+one against the other. The attention backend is vLLM 0.31.0's own CUDA
+selection run for the target compute capability (8.6 unless a test says
+otherwise), so the backend facts below are vLLM's, pinned.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import shutil
@@ -16,6 +19,10 @@ from pathlib import Path
 import pytest
 
 from e2 import cli, probe
+from e2.apply import UpstreamOptions
+from e2.series import Project
+
+REPO = Path(__file__).resolve().parents[2]
 
 GIB = 1 << 30
 MODEL = "Qwen3.5-0.8B"
@@ -38,17 +45,32 @@ def _e2(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def _args(upstream_cache, **extra) -> argparse.Namespace:
+    """What the CLI hands probe's functions: the project and the upstream cache."""
+    return argparse.Namespace(project=Project(REPO), upstream=UpstreamOptions(upstream_cache),
+                              **extra)
+
+
 @pytest.fixture(scope="module")
-def runtime(venv_python) -> probe.Runtime:
+def runtime(venv_python, upstream_cache) -> probe.Runtime:
     python = venv_python
     import subprocess
     missing = subprocess.run([str(python), "-c", "import importlib.util as u; "
                               "print(u.find_spec('torchvision') is None)"],
                              capture_output=True, text=True).stdout.strip() == "True"
-    return probe.Runtime(python, None, "stock only in this fixture", missing)
+    packages = probe.ensure_image_packages(_args(upstream_cache), python)
+    return probe.Runtime(python, None, "stock only in this fixture", missing, packages)
+
+
+@pytest.fixture(scope="module")
+def e2_runtime(upstream_cache) -> probe.Runtime:
+    """Stock and E2 (the view of this checkout's overlay) as `e2 probe capacity` runs them."""
+    return probe.make_runtime(_args(upstream_cache, python=None, vllm_path=None,
+                                    stock_only=False))
 
 
 def _settings(**changes) -> probe.Settings:
+    """Defaults of the CLI (capability 8.6) and three lengths."""
     base = dict(budget_gib=10.0, tp=1, max_num_seqs=256, max_model_len=32768,
                 kv_dtype="auto", mamba_cache_mode="none", lengths=(128, 4096, 32768))
     base.update(changes)
@@ -82,6 +104,11 @@ def test_qwen35_08b_planner_pinned_and_derived(qwen08):
     blocks = 10 * GIB // pool_block
     per_request = math.ceil(32768 / block) + (groups - 1)
     planner = qwen08["planner"]
+    # RTX 3090, KV auto: FlashAttention (FA2) heads vLLM's list on SM86 and takes bf16
+    backend = qwen08["backend"]
+    assert (backend["name"], backend["capability"]) == ("FLASH_ATTN", "8.6")
+    assert backend["kernel_block_sizes"] == ["MultipleOf(16)"]
+    assert backend["hybrid_block_size"] == block
     assert (block, blocks, groups) == (544, 1606, 4)
     assert planner["block_size"] == block
     assert planner["num_groups"] == groups
@@ -161,10 +188,77 @@ def test_tp_must_divide_heads(capsys):
     assert "tensor parallel size 3" in err and "num_attention_heads=8" in err
 
 
-def test_stock_and_e2_agree_and_are_recorded(capsys, tmp_path):
-    """Patch 0001 does not touch capacity: both columns must match, and the
-    record names the upstream version, the series digest and the command."""
-    code, _, err = _e2(capsys, "--model", MODEL, "--lengths", "4096",
+def _derived_block(kv_bytes: int) -> int:
+    """_align_hybrid_block_size for a backend whose kernel block is 16: the smallest
+    multiple of 16 tokens whose attention page holds one GDN state."""
+    text = _config()
+    attn_token = 2 * text["num_key_value_heads"] * text["head_dim"] * kv_bytes
+    conv_dim = (2 * text["linear_num_key_heads"] * text["linear_key_head_dim"]
+                + text["linear_num_value_heads"] * text["linear_value_head_dim"])
+    state = ((text["linear_conv_kernel_dim"] - 1) * conv_dim * 2
+             + text["linear_num_value_heads"] * text["linear_key_head_dim"]
+             * text["linear_value_head_dim"] * 4)
+    return 16 * math.ceil(state / (16 * attn_token))
+
+
+@pytest.fixture(scope="module")
+def selected(runtime, tmp_path_factory) -> dict:
+    """Qwen3.5-0.8B planned for SM86 and SM90 with KV auto and fp8 (stock, one
+    worker per capability, L=128 only)."""
+    out = tmp_path_factory.mktemp("selection")
+    results = {}
+    for capability in ("8.6", "9.0"):
+        runs = [(_settings(kv_dtype=kv, lengths=(128,), capability=capability),
+                 out / f"{capability}-{kv}.json") for kv in ("auto", "fp8")]
+        probe.run_jobs(runtime, "stock", probe.ZOO / MODEL, runs)
+        for settings, path in runs:
+            results[capability, settings.kv_dtype] = probe.read_result(
+                path, probe.ZOO / MODEL, "stock", settings)
+    return results
+
+
+def test_sm86_fp8_selects_flashinfer_with_its_block_sizes(selected):
+    """FA2 (all a 3090 runs) has no fp8 KV cache, so vLLM falls to its second
+    choice, FlashInfer, whose kernel blocks are exact sizes, not multiples of 16."""
+    auto, fp8 = selected["8.6", "auto"]["backend"], selected["8.6", "fp8"]["backend"]
+    assert auto["name"] == "FLASH_ATTN" and fp8["name"] == "FLASHINFER"
+    assert fp8["class"] == "vllm.v1.attention.backends.flashinfer.FlashInferBackend"
+    assert fp8["kernel_block_sizes"] == [16, 32, 64]
+    assert fp8["candidates"][0] == "FLASHINFER"
+    assert "kv_cache_dtype not supported" in fp8["rejected"]["FLASH_ATTN"]
+    assert "FLASH_ATTN" not in auto["rejected"]
+    # fp8 halves the attention page, so the hybrid block doubles (to a multiple of 16)
+    assert auto["hybrid_block_size"] == _derived_block(2) == 544
+    assert fp8["hybrid_block_size"] == _derived_block(1) == 1072
+    planner = selected["8.6", "fp8"]["planner"]
+    assert planner["block_size"] == 1072
+    assert selected["8.6", "fp8"]["facts"]["kv_bytes_per_token"] == 6 * 2 * 2 * 256
+
+
+def test_sm90_differs_where_fa3_takes_fp8(selected):
+    """On SM90 FlashAttention resolves to FA3, which reads an fp8 KV cache: it stays
+    first for fp8, where SM86 had to give it up."""
+    auto, fp8 = selected["9.0", "auto"]["backend"], selected["9.0", "fp8"]["backend"]
+    assert (auto["name"], fp8["name"]) == ("FLASH_ATTN", "FLASH_ATTN")
+    assert fp8["capability"] == "9.0"
+    assert fp8["kernel_block_sizes"] == ["MultipleOf(16)"]
+    assert fp8["candidates"][:2] == ["FLASH_ATTN", "FLASHINFER"]
+    assert fp8["name"] != selected["8.6", "fp8"]["backend"]["name"]
+    assert fp8["hybrid_block_size"] == 1072
+
+
+def test_capability_must_be_major_minor(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["probe", "capacity", "--model", MODEL, "--capability", "86"])
+    assert exit_info.value.code == 2
+    assert "MAJOR.MINOR" in capsys.readouterr().err
+
+
+def test_e2_cuts_attention_at_the_selected_backends_block(capsys, tmp_path):
+    """With fp8 on a 3090 (FlashInfer), stock plans 1072-token attention blocks; E2
+    (patch 0002) cuts them into FlashInfer's smallest kernel block, 16, and holds more
+    requests of 4k tokens. The record names the version, digest, command and backend."""
+    code, _, err = _e2(capsys, "--model", MODEL, "--kv-dtype", "fp8", "--lengths", "4096",
                        "--results", str(tmp_path))
     assert code == 0, err
     [record_file] = tmp_path.glob("capacity-*.json")
@@ -172,13 +266,89 @@ def test_stock_and_e2_agree_and_are_recorded(capsys, tmp_path):
     assert record["upstream_version"] == "0.31.0"
     assert len(record["series_digest"]) == 64
     assert record["command"].startswith("e2 ")
+    assert record["capability"] == "8.6" and record["backend"]["name"] == "FLASHINFER"
     sides = record["models"][MODEL]
     assert record["view"] is not None, record["why_no_view"]
     assert "e2-views" in sides["e2"]["vllm_file"]
     assert "e2-views" not in sides["stock"]["vllm_file"]
-    assert record["differences"] == []
-    assert sides["e2"]["planner"]["num_blocks"] == sides["stock"]["planner"]["num_blocks"]
+    stock, e2 = sides["stock"], sides["e2"]
+    assert e2["backend"]["name"] == stock["backend"]["name"] == "FLASHINFER"
+    assert stock["planner"]["e2_attention_block_size"] is None
+    assert e2["planner"]["e2_attention_block_size"] == 16
+    [stock_attn] = [g for g in stock["planner"]["groups"] if g["kind"] == "FullAttentionSpec"]
+    [e2_attn] = [g for g in e2["planner"]["groups"] if g["kind"] == "FullAttentionSpec"]
+    assert (stock_attn["block_size"], stock_attn["blocks_per_page"]) == (1072, 1)
+    assert (e2_attn["block_size"], e2_attn["blocks_per_page"]) == (16, 1072 // 16)
+    # the same pool of pages, cut finer
+    assert e2["planner"]["num_blocks"] == stock["planner"]["num_blocks"]
+    assert "block_size 1072 -> 16" in "; ".join(record["differences"])
+    s_row, e_row = stock["workload"][0], e2["workload"][0]
+    assert s_row["ideal"] == e_row["ideal"]
+    assert e_row["distinct"]["saturation"] > s_row["distinct"]["saturation"]
+    assert e_row["distinct"]["leaked_blocks"] == 0
     assert (tmp_path / record_file.name.replace(".json", ".md")).is_file()
+
+
+def test_matrix_resumes_and_renders(e2_runtime, upstream_cache, tmp_path):
+    """Each run's JSON is kept; a rerun only runs what is missing or failed, and the
+    baseline renders from what is on disk."""
+    scenarios = [(MODEL, _settings(lengths=(128,)))]
+    results = probe.run_matrix(e2_runtime, tmp_path, scenarios)
+    assert set(results) == {(MODEL, "10g-tp1-256-auto-none", side) for side in probe.SIDES}
+    stock_file = tmp_path / MODEL / "10g-tp1-256-auto-none-stock.json"
+    e2_file = tmp_path / MODEL / "10g-tp1-256-auto-none-e2.json"
+    kept = stock_file.stat().st_mtime_ns
+    e2_file.write_text(json.dumps({"ok": False, "input_error": False, "message": "killed",
+                                   "traceback": ""}))
+    results = probe.run_matrix(e2_runtime, tmp_path, scenarios)
+    assert stock_file.stat().st_mtime_ns == kept
+    assert json.loads(e2_file.read_text())["ok"] is True
+    record = probe.matrix_record(_args(upstream_cache), e2_runtime, tmp_path, scenarios,
+                                 results)
+    record["record"] = "capacity.json"
+    [run] = record["runs"]
+    assert run["stock"]["backend"] == run["e2"]["backend"] == "FLASH_ATTN"
+    assert (run["stock"]["attention_block_size"], run["e2"]["attention_block_size"]) == (
+        544, 16)
+    assert run["e2"]["rows"][0]["distinct_ratio"] == record["e2_min_ratio"] == 1.0
+    assert record["flags"] == []
+    text = probe.render_matrix(record, "plot.png")
+    assert f"| {MODEL} | FLASH_ATTN | 544 → 16 | 1.000 |" in text
+
+
+def test_matrix_flags_name_every_e2_shortfall():
+    row = {"length": 4096, "ideal": 100, "distinct_saturation": 97, "distinct_ratio": 0.97,
+           "distinct_preemptions": 3, "distinct_preemptions_below_ideal": 2,
+           "distinct_leaked_blocks": 0, "shared_prefix_saturation": 100,
+           "shared_prefix_ratio": 1.0, "shared_prefix_preemptions": 0,
+           "shared_prefix_preemptions_below_ideal": 0, "shared_prefix_leaked_blocks": 1}
+    good = {**row, "distinct_ratio": 0.99, "distinct_preemptions_below_ideal": 0,
+            "shared_prefix_leaked_blocks": 0}
+    runs = [{"model": "M", "setting": "s", "stock": {"rows": [row]}, "e2": {"rows": [row]}},
+            {"model": "N", "setting": "s", "stock": {"rows": [row]}, "e2": {"rows": [good]}}]
+    flags = probe.matrix_flags(runs)
+    assert flags == ["M s L=4096: distinct: ratio 0.970 (97/100), 2 preemptions below "
+                     "the ideal; shared prefix: 1 leaked blocks"]
+    # E2 preempting more than stock in the same workload is a regression
+    runs[1]["stock"]["rows"] = [{**good, "distinct_preemptions": 1}]
+    assert probe.matrix_flags(runs)[1:] == ["N s L=4096: distinct: 3 preemptions (stock 1)"]
+    # admitting past the ideal and preempting after is over-admission, whatever stock does
+    over = {**good, "distinct_saturation": 120, "distinct_ratio": 1.2}
+    runs[1]["stock"]["rows"] = runs[1]["e2"]["rows"] = [over]
+    assert probe.matrix_flags(runs)[1:] == [
+        "N s L=4096: distinct: admitted 120 of an ideal 100, then preempted"]
+
+
+def test_matrix_covers_the_issues_scenarios():
+    scenarios = probe.matrix_scenarios("8.6")
+    zoo = probe.zoo_names()
+    assert len(zoo) == 6
+    assert len(scenarios) == len(zoo) * 2 * 2 * 2 + 4
+    labels = {(name, settings.label()) for name, settings in scenarios}
+    assert len(labels) == len(scenarios)
+    assert ("Qwen3.5-27B", "6g-tp4-64-fp8-align") in labels
+    assert all(s.lengths == (128, 1024, 4096, 16384, 32768) and s.capability == "8.6"
+               for _, s in scenarios)
 
 
 def test_boot_reads_the_engines_kv_line_stock_and_e2(capsys, tmp_path):

@@ -17,11 +17,12 @@ block sizes are ``MultipleOf(16)``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import math
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,21 +41,161 @@ class ProbeInputError(Exception):
         self.extra = extra
 
 
+# Compiled parts of the CUDA engine image that the CPU wheel lacks but whose
+# presence vLLM's selection code checks: the CUDA platform's op library (imported
+# at module level) and the FlashAttention 2/3 extensions; FA4 is Python files the
+# image ships (``_vllm_fa4_cutedsl_C`` in cmake/external_projects/vllm_flash_attn.cmake).
+IMAGE_EXTENSIONS = ("vllm._C_stable_libtorch", "vllm.vllm_flash_attn._vllm_fa2_C",
+                    "vllm.vllm_flash_attn._vllm_fa3_C")
+
+
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True, type=Path)
-    parser.add_argument("--budget-gib", type=float, required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=32768)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto")
-    parser.add_argument("--mamba-cache-mode", choices=("none", "align"), default="none")
-    parser.add_argument("--lengths", default="")
-    parser.add_argument("--out", type=Path, required=True, help="where the JSON goes")
-    parser.add_argument("--max-requests", type=int, default=0,
-                        help="cap on requests per workload run (0: max_num_seqs)")
+    parser.add_argument("--capability", default="8.6",
+                        help="target GPU compute capability, MAJOR.MINOR")
+    parser.add_argument("--jobs", type=Path, required=True,
+                        help="JSON list of runs: {out, budget_gib, tp, max_num_seqs, "
+                             "max_model_len, kv_dtype, mamba_cache_mode, lengths}")
     return parser.parse_args()
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run: a KV cache plan and its workloads; the result goes to ``out``."""
+
+    out: Path
+    budget_gib: float
+    tp: int
+    max_num_seqs: int
+    max_model_len: int
+    kv_dtype: str
+    mamba_cache_mode: str
+    lengths: tuple[int, ...]
+    max_num_batched_tokens: int = 8192
+    max_requests: int = 0  # cap on requests per workload run (0: max_num_seqs)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Job":
+        return cls(**{**data, "out": Path(data["out"]),
+                      "lengths": tuple(int(n) for n in data["lengths"])})
+
+
+# ---------------------------------------------------------------- target GPU
+
+
+def parse_capability(text: str) -> tuple[int, int]:
+    try:
+        major, minor = (int(x) for x in text.split("."))
+    except ValueError:
+        raise ProbeInputError(f"--capability {text}: expected MAJOR.MINOR, "
+                              "e.g. 8.6") from None
+    return major, minor
+
+
+def load_model_classes(archs: list[str]) -> None:
+    """Import the model's module on the CPU platform: on a CUDA platform its
+    imports call compiled CUDA ops that the CPU wheel does not have."""
+    from vllm.model_executor.models import ModelRegistry
+
+    for arch in archs:
+        ModelRegistry._try_load_model_cls(arch)
+
+
+def emulate_cuda(capability: str) -> Any:
+    """Make vLLM's CUDA platform, at ``capability``, the current platform.
+
+    Every loaded vLLM module that bound the CPU platform is pointed at it too, so
+    all of vLLM sees one platform, as on a CUDA host. Only the device query is
+    replaced; every choice below it (backend priorities, FA version, kernel block
+    sizes) is vLLM's own code reading that capability.
+    """
+    import types
+
+    major, minor = parse_capability(capability)
+    for name in IMAGE_EXTENSIONS:
+        sys.modules.setdefault(name, types.ModuleType(name))
+    import vllm.platforms as platforms
+    from vllm.platforms.cuda import CudaPlatformBase
+    from vllm.platforms.interface import DeviceCapability
+
+    target = DeviceCapability(major, minor)
+
+    class TargetCudaPlatform(CudaPlatformBase):
+        # The target host has a GPU for every rank of the run (set per run).
+        num_gpus = 1
+
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
+            return target
+
+        @classmethod
+        def device_count(cls) -> int:
+            return cls.num_gpus
+
+        @classmethod
+        def get_device_name(cls, device_id: int = 0) -> str:
+            return f"CUDA device of compute capability {capability} (planned on the CPU)"
+
+    platform = TargetCudaPlatform()
+    previous = platforms.current_platform
+    platforms._current_platform = platform
+    platforms.current_platform = platform
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm.") and getattr(module, "current_platform", None) is previous:
+            module.current_platform = platform
+    # Attention backends loaded with the model ran their platform branches on the
+    # CPU platform (fa_utils imports its CUDA kernels only on CUDA): run them again.
+    for name in [n for n in sys.modules if n.startswith("vllm.v1.attention.backends.")]:
+        importlib.reload(sys.modules[name])
+    import vllm.vllm_flash_attn.flash_attn_interface as fa_interface
+
+    fa_interface.FA4_AVAILABLE, fa_interface.FA4_UNAVAILABLE_REASON = True, None
+    return platform
+
+
+def select_backend(vllm_config: Any) -> tuple[Any, dict]:
+    """The attention backend a decoder attention layer of this model gets at boot,
+    with the candidates and why the others were rejected."""
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.selector import AttentionSelectorConfig, get_attn_backend
+
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    head_size = model_config.get_head_size()
+    with set_current_vllm_config(vllm_config):
+        # Attention.__init__ passes the default dtype, which is the model's.
+        backend = get_attn_backend(head_size, model_config.dtype, cache_config.cache_dtype)
+        selector = AttentionSelectorConfig(
+            head_size=head_size, dtype=model_config.dtype,
+            kv_cache_dtype=cache_config.cache_dtype, block_size=None,
+            use_batch_invariant=False)
+        valid, rejected = current_platform.get_valid_backends(
+            current_platform.get_device_capability(), selector)
+        sizes = backend.get_supported_kernel_block_sizes()
+        preferred = backend.get_preferred_block_size(cache_config.DEFAULT_BLOCK_SIZE)
+    chosen = next((c for c in valid if c.backend_class is backend), None)
+    # A package the engine image has but this venv lacks would hide a backend of
+    # higher priority and change the choice: refuse rather than record a wrong one.
+    missing = {b.name: r for b, (priority, r) in rejected.items()
+               if chosen is not None and priority < chosen.priority
+               and any(x.startswith(("ImportError", "ModuleNotFoundError", "OSError"))
+                       for x in r)}
+    if missing:
+        raise RuntimeError(f"backends of higher priority than {backend.get_name()} could "
+                           f"not be imported here: {missing}")
+    capability = current_platform.get_device_capability()
+    return backend, {
+        "name": backend.get_name(),
+        "class": f"{backend.__module__}.{backend.__qualname__}",
+        "capability": f"{capability.major}.{capability.minor}",
+        "kernel_block_sizes": [f"MultipleOf({s.base})" if isinstance(s, MultipleOf)
+                               else s for s in sizes],
+        "preferred_block_size": preferred,
+        "candidates": [c.backend.name for c in sorted(valid, key=lambda c: c.priority)],
+        "rejected": {b.name: r for b, (_, r) in rejected.items()},
+    }
 
 
 # ---------------------------------------------------------------- config
@@ -101,46 +242,40 @@ def _check_tp(config: dict, tp: int) -> None:
                                   f"{value} in config.json")
 
 
-def build_config(args: argparse.Namespace) -> Any:
-    """A VllmConfig as a CUDA boot would have it before the KV cache is planned."""
+def build_config(job: Job, model: Path) -> tuple[Any, Any, dict]:
+    """A VllmConfig as a CUDA boot on the target has it before the KV cache is
+    planned, with the attention backend that boot selects."""
     from vllm.config import set_current_vllm_config
     from vllm.config.cache import CacheConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
-    # The CUDA platform leaves the cache config alone here; the CPU one would
-    # pick CPU block sizes and force float32 SSM state. Run neither.
-    platform_cls = type(current_platform)
-    original = platform_cls.__dict__.get("check_and_update_config")
-    platform_cls.check_and_update_config = classmethod(lambda cls, vllm_config: None)
-    try:
-        engine_args = EngineArgs(
-            model=str(args.model), skip_tokenizer_init=True, load_format="dummy",
-            tensor_parallel_size=args.tp, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_cache_dtype=args.kv_dtype,
-            enable_prefix_caching=args.mamba_cache_mode == "align",
-            mamba_cache_mode=args.mamba_cache_mode,
-            # Text requests only: the vision tower holds no KV cache, and its
-            # processor would need a tokenizer.
-            language_model_only=True)
-        vllm_config = engine_args.create_engine_config()
-    finally:
-        if original is not None:
-            platform_cls.check_and_update_config = original
+    type(current_platform).num_gpus = job.tp
+    engine_args = EngineArgs(
+        model=str(model), skip_tokenizer_init=True, load_format="dummy",
+        tensor_parallel_size=job.tp, max_num_seqs=job.max_num_seqs,
+        max_model_len=job.max_model_len,
+        max_num_batched_tokens=job.max_num_batched_tokens,
+        kv_cache_dtype=job.kv_dtype,
+        enable_prefix_caching=job.mamba_cache_mode == "align",
+        mamba_cache_mode=job.mamba_cache_mode,
+        # Text requests only: the vision tower holds no KV cache, and its
+        # processor would need a tokenizer.
+        language_model_only=True)
+    vllm_config = engine_args.create_engine_config()
     if not vllm_config.model_config.is_hybrid:
         raise ProbeInputError(f"{vllm_config.model_config.architecture} is not a hybrid "
                               "attention/state-space model; the probe covers hybrids only")
-    # update_block_size_for_backend as the CUDA platform runs it (phases 1 and 2).
+    backend, backend_facts = select_backend(vllm_config)
+    # update_block_size_for_backend, phases 1 and 2, with the selected backend
+    # (the engine finds it on the model's attention layers).
     cache_config = vllm_config.cache_config
-    cache_config.block_size = CacheConfig.DEFAULT_BLOCK_SIZE
+    cache_config.block_size = current_platform._preferred_block_size_for_backends(
+        [backend], CacheConfig.DEFAULT_BLOCK_SIZE, vllm_config)
     with set_current_vllm_config(vllm_config):
-        cache_config.block_size = FlashAttentionBackend.get_preferred_block_size(
-            CacheConfig.DEFAULT_BLOCK_SIZE)
-    current_platform._align_hybrid_block_size(vllm_config, FlashAttentionBackend)
-    return vllm_config
+        current_platform._align_hybrid_block_size(vllm_config, backend)
+    backend_facts["hybrid_block_size"] = cache_config.block_size
+    return vllm_config, backend, backend_facts
 
 
 # ---------------------------------------------------------------- specs
@@ -158,12 +293,11 @@ def layer_kinds(hf_text: Any) -> list[str]:
     return [mapping.get(kind, "other") for kind in kinds]
 
 
-def build_specs(vllm_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def build_specs(vllm_config: Any, backend: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Per-layer specs exactly as Attention/MambaBase.get_kv_cache_spec return them
-    (then FlashAttention's customize_spec), plus the per-request facts behind them."""
+    (then the backend's customize_spec), plus the per-request facts behind them."""
     from vllm.model_executor.models import ModelRegistry
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, get_kv_quant_mode
 
@@ -179,7 +313,7 @@ def build_specs(vllm_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     mamba_type = (MambaAttentionBackendEnum.GDN_ATTN
                   if hasattr(hf_text, "linear_num_value_heads")
                   else MambaAttentionBackendEnum.MAMBA2)
-    attention = FlashAttentionBackend.customize_spec(FullAttentionSpec(
+    attention = backend.customize_spec(FullAttentionSpec(
         block_size=cache_config.block_size,
         num_kv_heads=model_config.get_num_kv_heads(parallel),
         head_size=model_config.get_head_size(),
@@ -226,13 +360,13 @@ def build_specs(vllm_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 # ---------------------------------------------------------------- planner
 
 
-def plan(vllm_config: Any, specs: dict[str, Any], budget_bytes: int) -> tuple[Any, dict]:
+def plan(vllm_config: Any, backend: Any, specs: dict[str, Any],
+         budget_bytes: int) -> tuple[Any, dict]:
     """The engine core's _initialize_kv_caches steps from the specs to the boot line."""
     from vllm.v1.core.kv_cache_utils import (
         _max_memory_usage_bytes_from_groups, _pool_bytes_per_block,
         generate_scheduler_kv_cache_config, get_kv_cache_capacity, get_kv_cache_configs,
         get_kv_cache_groups)
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
     from vllm.v1.attention.backends.utils import (get_supported_kv_cache_layouts,
                                                   resolve_kv_cache_layout)
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
@@ -240,9 +374,9 @@ def plan(vllm_config: Any, specs: dict[str, Any], budget_bytes: int) -> tuple[An
 
     register_all_kvcache_specs(vllm_config)
     tp = vllm_config.parallel_config.tensor_parallel_size
-    # The layout every rank's backends accept (FlashAttention + the state layers'
-    # backend), resolved as the engine core does before planning.
-    backends = [FlashAttentionBackend]
+    # The layout every rank's backends accept (the attention backend + the state
+    # layers' backend), resolved as the engine core does before planning.
+    backends = [backend]
     backends += list({spec.mamba_type.get_class() for spec in specs.values()
                       if isinstance(spec, MambaSpec)})
     names = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
@@ -276,8 +410,12 @@ def plan(vllm_config: Any, specs: dict[str, Any], budget_bytes: int) -> tuple[An
         "mamba_block_size": vllm_config.cache_config.mamba_block_size,
         "mamba_page_size_padded": vllm_config.cache_config.mamba_page_size_padded,
         "num_groups": len(groups),
+        # E2 records the backend's natural block here (None on stock vLLM).
+        "e2_attention_block_size": getattr(vllm_config.cache_config,
+                                           "e2_attention_block_size", None),
         "groups": [{"kind": type(g.kv_cache_spec).__name__, "layers": len(g.layer_names),
                     "block_size": g.kv_cache_spec.block_size,
+                    "blocks_per_page": getattr(g, "blocks_per_page", 1),
                     "page_bytes": g.kv_cache_spec.page_size_bytes} for g in groups],
         "pool_block_bytes": pool_block_bytes,
         "num_blocks": scheduler_config.num_blocks,
@@ -296,8 +434,11 @@ def ideal_concurrency(facts: dict, budget_bytes: int, length: int, max_num_seqs:
 
 
 def run_workload(vllm_config: Any, kv_cache_config: Any, length: int, count: int,
-                 shared_prefix: bool) -> dict:
-    """Submit ``count`` requests of total length ``length`` and step to completion."""
+                 shared_prefix: bool, ideal: int) -> dict:
+    """Submit ``count`` requests of total length ``length`` and step to completion.
+
+    Preemptions below the ideal are those of a step that began, or was admitting,
+    with fewer requests than the ideal holds: memory that should have sufficed."""
     import copy
 
     from vllm.sampling_params import SamplingParams
@@ -339,15 +480,18 @@ def run_workload(vllm_config: Any, kv_cache_config: Any, length: int, count: int
         scheduler.add_request(request)
     pool = scheduler.kv_cache_manager.block_pool
     free_at_start = pool.get_num_free_blocks()
-    peak = peak_before_preemption = preemptions = steps = 0
+    peak = peak_before_preemption = preemptions = below_ideal = steps = 0
     while scheduler.has_unfinished_requests():
         steps += 1
         if steps > 200_000:
             raise RuntimeError("workload did not finish in 200000 steps")
+        running_before = len(scheduler.running)
         output = scheduler.schedule()
         preempted = len(output.preempted_req_ids or ())
         preemptions += preempted
         running = len(scheduler.running)
+        if preempted and max(running_before, running + preempted) < ideal:
+            below_ideal += preempted
         peak = max(peak, running)
         if preemptions == 0:
             peak_before_preemption = max(peak_before_preemption, running)
@@ -365,7 +509,8 @@ def run_workload(vllm_config: Any, kv_cache_config: Any, length: int, count: int
     return {"requests": count, "prompt_tokens": prompt_len, "decode_tokens": decode,
             "shared_prefix_tokens": prefix_len, "steps": steps,
             "saturation": peak_before_preemption, "peak_running": peak,
-            "preemptions": preemptions, "leaked_blocks": leaked,
+            "preemptions": preemptions, "preemptions_below_ideal": below_ideal,
+            "leaked_blocks": leaked,
             "finished": sum(1 for r in requests if r.is_finished())}
 
 
@@ -373,55 +518,78 @@ def run_workload(vllm_config: Any, kv_cache_config: Any, length: int, count: int
 
 
 def _emit(path: Path, payload: dict) -> None:
-    # A file, not stdout: vLLM and its imports print to stdout.
-    path.write_text(json.dumps(payload, indent=1) + "\n")
+    # A file, not stdout: vLLM and its imports print to stdout. Written whole
+    # (rename) so an interrupted matrix never leaves half a result behind.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def run_job(job: Job, model: Path, config: dict) -> dict:
+    """One plan and its workloads, as the JSON the driver reads."""
+    import vllm
+
+    started = time.monotonic()
+    _check_tp(config, job.tp)
+    vllm_config, backend, backend_facts = build_config(job, model)
+    specs, facts = build_specs(vllm_config, backend)
+    budget = int(job.budget_gib * GIB)
+    kv_config, planner = plan(vllm_config, backend, specs, budget)
+    workload = []
+    for length in job.lengths:
+        if length > job.max_model_len:
+            raise ProbeInputError(f"workload length {length} exceeds max_model_len "
+                                  f"{job.max_model_len}")
+        ideal = ideal_concurrency(facts, budget, length, job.max_num_seqs)
+        cap = job.max_requests or job.max_num_seqs
+        count = max(1, min(cap, ideal + max(8, ideal // 4)))
+        row: dict[str, Any] = {"length": length, "ideal": ideal}
+        for name, shared in (("distinct", False), ("shared_prefix", True)):
+            run = run_workload(vllm_config, kv_config, length, count, shared, ideal)
+            run["ratio"] = run["saturation"] / ideal if ideal else None
+            row[name] = run
+        workload.append(row)
+    return {
+        "ok": True, "vllm_version": vllm.__version__, "vllm_file": vllm.__file__,
+        "backend": backend_facts,
+        "inputs": {"model": str(model), "budget_gib": job.budget_gib, "tp": job.tp,
+                   "max_num_seqs": job.max_num_seqs, "max_model_len": job.max_model_len,
+                   "max_num_batched_tokens": job.max_num_batched_tokens,
+                   "kv_dtype": job.kv_dtype, "mamba_cache_mode": job.mamba_cache_mode,
+                   "capability": backend_facts["capability"]},
+        "facts": facts, "planner": planner, "workload": workload,
+        "seconds": round(time.monotonic() - started, 2)}
+
+
+def _failure(exc: BaseException) -> dict:
+    if isinstance(exc, ProbeInputError):
+        return {"ok": False, "input_error": True, "message": str(exc), **exc.extra}
+    return {"ok": False, "input_error": False, "message": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc()[-4000:]}
 
 
 def main() -> int:
     args = _parse()
-    started = time.monotonic()
+    jobs = [Job.from_json(item) for item in json.loads(args.jobs.read_text())]
     try:
-        import vllm
-
-        _check_tp(_check_model(args), args.tp)
-        vllm_config = build_config(args)
-        specs, facts = build_specs(vllm_config)
-        budget = int(args.budget_gib * GIB)
-        kv_config, planner = plan(vllm_config, specs, budget)
-        workload = []
-        lengths = [int(x) for x in args.lengths.split(",") if x]
-        for length in lengths:
-            if length > args.max_model_len:
-                raise ProbeInputError(f"workload length {length} exceeds max_model_len "
-                                      f"{args.max_model_len}")
-            ideal = ideal_concurrency(facts, budget, length, args.max_num_seqs)
-            cap = args.max_requests or args.max_num_seqs
-            count = max(1, min(cap, ideal + max(8, ideal // 4)))
-            row: dict[str, Any] = {"length": length, "ideal": ideal}
-            for name, shared in (("distinct", False), ("shared_prefix", True)):
-                run = run_workload(vllm_config, kv_config, length, count, shared)
-                run["ratio"] = run["saturation"] / ideal if ideal else None
-                row[name] = run
-            workload.append(row)
-    except ProbeInputError as exc:
-        _emit(args.out, {"ok": False, "input_error": True, "message": str(exc),
-                         **exc.extra})
-        return 2
-    except Exception as exc:  # noqa: BLE001 - reported to the driver, with the trace
-        _emit(args.out, {"ok": False, "input_error": False,
-                         "message": f"{type(exc).__name__}: {exc}",
-                         "traceback": traceback.format_exc()[-4000:]})
-        return 1
-    _emit(args.out, {
-        "ok": True, "vllm_version": vllm.__version__, "vllm_file": vllm.__file__,
-        "backend_assumed": "FLASH_ATTN (FA3, SM90)",
-        "inputs": {"model": str(args.model), "budget_gib": args.budget_gib, "tp": args.tp,
-                   "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
-                   "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "kv_dtype": args.kv_dtype, "mamba_cache_mode": args.mamba_cache_mode},
-        "facts": facts, "planner": planner, "workload": workload,
-        "seconds": round(time.monotonic() - started, 2)})
-    return 0
+        parse_capability(args.capability)
+        config = _check_model(args)
+        load_model_classes(config["architectures"])
+        emulate_cuda(args.capability)
+    except Exception as exc:  # noqa: BLE001 - every run gets the same failure
+        for job in jobs:
+            _emit(job.out, _failure(exc))
+        return 2 if isinstance(exc, ProbeInputError) else 1
+    status = 0
+    for job in jobs:
+        try:
+            result = run_job(job, args.model, config)
+        except Exception as exc:  # noqa: BLE001 - reported to the driver, with the trace
+            result = _failure(exc)
+            status = status or (2 if isinstance(exc, ProbeInputError) else 1)
+        _emit(job.out, result)
+    return status
 
 
 if __name__ == "__main__":
