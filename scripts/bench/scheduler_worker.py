@@ -59,6 +59,20 @@ def _parse() -> argparse.Namespace:
 # ---------------------------------------------------------------- engine side
 
 
+_TARGET_EMULATED = False
+
+
+def _emulate_target(model: Path) -> None:
+    """vLLM's CUDA platform at the capacity probe's default capability, once."""
+    global _TARGET_EMULATED
+    if _TARGET_EMULATED:
+        return
+    config = json.loads((model / "config.json").read_text())
+    capacity_worker.load_model_classes(config["architectures"])
+    capacity_worker.emulate_cuda("8.6")
+    _TARGET_EMULATED = True
+
+
 class SchedulerHarness:
     """vLLM's Scheduler on a planned KV cache, its requests, and a fake model."""
 
@@ -69,15 +83,17 @@ class SchedulerHarness:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        config_args = argparse.Namespace(
-            model=args.model, tp=1, max_num_seqs=args.max_num_seqs,
-            max_model_len=spec.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype="auto",
-            mamba_cache_mode=args.mamba_cache_mode)
-        vllm_config = capacity_worker.build_config(config_args)
-        specs, _ = capacity_worker.build_specs(vllm_config)
+        # The KV cache a CUDA boot on the RTX 3090 plans, as the capacity probe's.
+        _emulate_target(Path(args.model))
+        job = capacity_worker.Job(
+            out=Path(os.devnull), budget_gib=args.budget_gib, tp=1,
+            max_num_seqs=args.max_num_seqs, max_model_len=spec.max_model_len,
+            kv_dtype="auto", mamba_cache_mode=args.mamba_cache_mode, lengths=(),
+            max_num_batched_tokens=args.max_num_batched_tokens)
+        vllm_config, backend, _ = capacity_worker.build_config(job, Path(args.model))
+        specs, _ = capacity_worker.build_specs(vllm_config, backend)
         kv_config, self.planner = capacity_worker.plan(
-            vllm_config, specs, int(args.budget_gib * capacity_worker.GIB))
+            vllm_config, backend, specs, int(args.budget_gib * capacity_worker.GIB))
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, vllm_config)
         # log_stats as an engine runs by default: usage and prefix-cache stats each step.
         self.scheduler = Scheduler(

@@ -78,7 +78,12 @@ def test_short_soak_finishes_clean(soak, side):
     assert bench_scheduler.soak_problems(side, result) == []
     assert result["finished"] == result["requests"] == SOAK.requests
     # It exercised what it claims to: preemption, prefix hits, client aborts.
-    assert result["preemptions"] > 0
+    # E2 admits with the room its requests will take: it preempts no more than
+    # stock does (here, not at all), so stock carries the preemption path.
+    if side == "stock":
+        assert result["preemptions"] > 0
+    else:
+        assert result["preemptions"] <= soak["stock"]["preemptions"]
     assert result["prefix_hit_tokens"] > 0
     assert result["aborted"] > 0
     audit = result["audit"]
