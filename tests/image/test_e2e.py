@@ -73,8 +73,12 @@ def test_serve_probe_docker_path_matches_on_the_cpu_images(project, cpu_base, tm
     record = json.loads((tmp_path / "serve-docker.json").read_text())
     assert record["header"]["runner"] == "docker" and record["ok"], result.stderr[-3000:]
     assert record["header"]["image_digests"]["e2"] != record["header"]["image_digests"]["stock"]
-    sync = record["sides"]["e2"]["modes"]["sync"]
-    assert sync["engine"]["e2_banner"] and sync["cases"]["oversubscribed"]["preemptions"] > 0
+    stock, e2 = (record["sides"][side]["modes"]["sync"] for side in ("stock", "e2"))
+    assert e2["engine"]["e2_banner"] and not stock["engine"]["e2_banner"]
+    assert e2["engine"]["block_size"] < stock["engine"]["block_size"]
+    # the oversubscribed case makes stock preempt; E2 preempts no more than stock
+    over = [side["cases"]["oversubscribed"]["preemptions"] for side in (stock, e2)]
+    assert over[0] > 0 and over[1] <= over[0], over
     assert record["sides"]["e2"]["modes"]["async"]["skipped"] == serve.CPU_ASYNC_SKIP
 
 

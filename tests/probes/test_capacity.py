@@ -363,7 +363,10 @@ def test_boot_reads_the_engines_kv_line_stock_and_e2(capsys, tmp_path):
     sides = json.loads(record_file.read_text())["models"][MODEL]
     stock, e2 = sides["stock"]["boot"], sides["e2"]["boot"]
     assert stock["kv_line"].startswith("CPU KV cache size: ")
-    assert stock["tokens"] == e2["tokens"] > 4096
+    # 2 GiB of KV on the CPU engine's geometry: stock pads every state page to the
+    # aligned attention page; E2's pages hold one state at its real size, so the
+    # same bytes count 4.8% more tokens (and 22.02x concurrency at 4,096 against 21.00x)
+    assert (stock["tokens"], e2["tokens"]) == (86_016, 90_178)
     assert f"{stock['tokens']:,} tokens" in stock["kv_line"]
     assert "## Boot line" in record_file.with_suffix(".md").read_text()
     code, _, err = _e2(capsys, "--model", MODEL, "--boot", "--tp", "2", "--stock-only",

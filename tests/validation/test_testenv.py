@@ -72,4 +72,4 @@ def test_stale_overlay_refused(real_project, cpu_env):
     series = real_project.project.series_file
     series.write_text(series.read_text().replace("Log the E2 series", "Log the series"))
     _, _, err = real_project("env", "--overlay", expect=1)
-    assert "overlay/ was generated from another state of the series" in err
+    assert "overlay/ is out of sync: overlay/ was made from series" in err

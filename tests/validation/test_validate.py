@@ -13,7 +13,7 @@ SHM_TEST = "tests/test_envs.py::test_object_storage_shm_default_name"
 
 
 def breaking_patch(e2) -> None:
-    """0002: lengthens the shm name past the limit upstream's SHM_TEST pins, and adds a
+    """The next patch: lengthens the shm name past the limit upstream's SHM_TEST pins, and adds a
     test that passes on stock too (so it proves nothing about the patch)."""
     add_patch(e2, [(ENVS, 'return "vllm_mm_" + encoded_uuid', 'return "vllm_mm_e2_" + encoded_uuid'),
                    ("tests/e2/test_proves_nothing.py", None,
@@ -24,29 +24,38 @@ def breaking_patch(e2) -> None:
 @pytest.mark.slow
 def test_seam_real_series(real_project, tmp_path):
     _, out, _ = real_project("test", "seam", "--report", str(tmp_path))
-    assert "0001" in out and "passed" in out
+    assert "0001" in out and "0002" in out and "passed" in out
     data = results(tmp_path, "seam")
     assert data["upstream_version"] == "0.31.0" and len(data["series_digest"]) == 64
-    (patch,) = data["patches"]
-    assert patch["verdict"] == "passed"
-    checks = {c["kind"]: c for c in patch["checks"]}
-    assert all(c["ok"] for c in checks.values())
-    for kind in ("e2", "control"):
-        assert checks[kind]["returncode"] == 0
-        assert set(checks[kind]["outcomes"].values()) == {"passed"}
-        assert len(checks[kind]["outcomes"]) == 32
-    assert "VLLM_E2_REPORT=0" in checks["control"]["label"]
-    assert checks["stock"]["returncode"] == 2  # vllm.e2 does not exist: collection error
-    assert set(checks["stock"]["outcomes"].values()) == {"error"}
-    assert "| 0001 | VLLM_E2_REPORT |" in (tmp_path / "seam.md").read_text()
+    patches = {p["id"]: p for p in data["patches"]}
+    assert list(patches) == ["0001", "0002"]
+    # 0001: the switch registry's 46 tests (over both switches of the series); 0002: the
+    # state pool's tests, each run with the switch on and off (the slab-only one skips off)
+    for patch_id, tests, skipped, control in (("0001", 46, 0, "VLLM_E2_REPORT=0"),
+                                               ("0002", 70, 1, "VLLM_E2_STATE_POOL=0")):
+        patch = patches[patch_id]
+        assert patch["verdict"] == "passed"
+        checks = {c["kind"]: c for c in patch["checks"]}
+        assert all(c["ok"] for c in checks.values())
+        for kind in ("e2", "control"):
+            outcomes = list(checks[kind]["outcomes"].values())
+            assert checks[kind]["returncode"] == 0
+            assert (len(outcomes), outcomes.count("skipped")) == (tests, skipped)
+            assert set(outcomes) <= {"passed", "skipped"}
+        assert control in checks["control"]["label"]
+        assert checks["stock"]["returncode"] == 2  # vllm.e2 does not exist: collection error
+        assert set(checks["stock"]["outcomes"].values()) == {"error"}
+    markdown = (tmp_path / "seam.md").read_text()
+    assert "| 0001 | VLLM_E2_REPORT |" in markdown
+    assert "| 0002 | VLLM_E2_STATE_POOL |" in markdown
 
 
 @pytest.mark.slow
 def test_seam_fails_a_patch_whose_tests_pass_on_stock(real_project, tmp_path):
-    breaking_patch(real_project)
-    _, out, err = real_project("test", "seam", "--patch", "0002", "--report", str(tmp_path),
+    breaking_patch(real_project)  # 0003, on top of the real series
+    _, out, err = real_project("test", "seam", "--patch", "0003", "--report", str(tmp_path),
                                expect=1)
-    assert "0002: expected to fail on stock vLLM, got 1 passed" in err
+    assert "0003: expected to fail on stock vLLM, got 1 passed" in err
     (patch,) = results(tmp_path, "seam")["patches"]
     assert patch["verdict"] == "failed"
     assert [c["ok"] for c in patch["checks"]] == [True, True, False]
@@ -61,7 +70,7 @@ NO_FREE = f"{DEFERRED_FREE}::test_gate_enabled_for_async_consumer"
 
 
 def leaking_block_pool_patch(e2) -> None:
-    """0002: the block pool keeps one block of every batch it frees (a changed free count)."""
+    """The next patch: the block pool keeps one block of every batch it frees (a changed free count)."""
     add_patch(e2, [(BLOCK_POOL, "self.free_block_queue.prepend_n(blocks_to_evict_first)",
                     "self.free_block_queue.prepend_n(blocks_to_evict_first[1:])")],
               "block pool: leak a block per free", "VLLM_E2_LEAK",
@@ -91,7 +100,7 @@ def test_upstream_clean_series_has_no_regression(real_project, tmp_path):
     real_project("test", "upstream", "--suite", FREES_ALL, "--suite", SHM_TEST,
                  "--switches-off", "--report", str(tmp_path))
     data = results(tmp_path, "upstream")
-    assert data["e2_switches"] == {"VLLM_E2_REPORT": "0"}
+    assert data["e2_switches"] == {"VLLM_E2_REPORT": "0", "VLLM_E2_STATE_POOL": "0"}
     assert not data["regressions"] and not data["verdicts"]
     assert data["runs"]["stock"]["outcomes"] == data["runs"]["e2"]["outcomes"] == {
         FREES_ALL: "passed", SHM_TEST: "passed"}
