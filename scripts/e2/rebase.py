@@ -561,6 +561,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--reason", help="with --continue or --skip: why")
     parser.add_argument("--validate", action="store_true",
                         help="run the seam tests and the upstream delta at the end")
+    parser.add_argument("--validate-suite", action="append", metavar="PATH",
+                        help="with --validate: the upstream suites to run (repeatable; "
+                             "default: e2 test upstream's)")
     parser.set_defaults(run=run)
 
 
@@ -589,6 +592,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_locked(args: argparse.Namespace, rebase: Rebase, rebase_report) -> int:
+    if args.validate_suite and not args.validate:
+        raise E2Error("--validate-suite needs --validate")
     if args.abort:
         if not rebase.in_progress():
             rebase.load()  # raises "no rebase in progress"
@@ -630,10 +635,11 @@ def validation_checks(args: argparse.Namespace) -> list:
     from e2.verify import Check
 
     checks = []
-    for verb in (["test", "seam"], ["test", "upstream"]):
+    suites = [arg for suite in args.validate_suite or () for arg in ("--suite", suite)]
+    for verb in (["test", "seam"], ["test", "upstream", *suites]):
         command = [sys.executable, "-m", "e2.cli", "--project", str(args.project.root), *verb]
         result = subprocess.run(command, capture_output=True, text=True)
-        check = Check("e2 " + " ".join(verb))
+        check = Check("e2 " + " ".join(verb[:2]))
         if result.returncode != 0:
             check.problems.append((result.stdout + result.stderr).strip()[-2000:])
         checks.append(check)
