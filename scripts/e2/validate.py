@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,7 @@ MESSAGE_CHARS = 600                     # of a failure message kept for the repo
 class PytestRun:
     label: str
     returncode: int
+    started: float                      # epoch seconds: parallel runs overlap
     seconds: float
     outcomes: dict[str, str]            # test id -> passed | failed | error | skipped
     messages: dict[str, str]            # test id -> why it did not pass (not passed only)
@@ -169,6 +171,21 @@ class Sides:
 
     def run(self, side: str, targets: list[str], label: str,
             switches: dict[str, str] | None = None) -> PytestRun:
+        with console.status(f"pytest: {label}"):
+            return self._run(side, targets, label, switches)
+
+    def run_both(self, targets: list[str], label: str,
+                 switches: dict[str, str] | None) -> dict[str, PytestRun]:
+        """Stock and E2 at once, one pytest process each: upstream's per-test teardown
+        is single-threaded, so two cores take the pair in about the time of one side."""
+        with console.status(f"pytest: {label} stock and e2"), \
+                ThreadPoolExecutor(max_workers=2) as pool:
+            stock = pool.submit(self._run, "stock", targets, f"{label} stock", None)
+            e2 = pool.submit(self._run, "e2", targets, f"{label} e2", switches)
+            return {"stock": stock.result(), "e2": e2.result()}
+
+    def _run(self, side: str, targets: list[str], label: str,
+             switches: dict[str, str] | None) -> PytestRun:
         self.logs.mkdir(parents=True, exist_ok=True)
         slug = label.replace(" ", "-").replace("=", "-")
         junit, log = self.logs / f"{slug}.xml", self.logs / f"{slug}.log"
@@ -177,15 +194,16 @@ class Sides:
                    "-p", "no:cacheprovider", "-p", HARNESS_PLUGIN, "-q",
                    "-o", "junit_family=xunit1", f"--junitxml={junit}",
                    f"--timeout={self.timeout}", *targets]
-        started = time.monotonic()
-        with console.status(f"pytest: {label}"), log.open("w") as handle:
+        started, wall = time.monotonic(), time.time()
+        with log.open("w") as handle:
             handle.write(f"$ {' '.join(command)}\n")
             handle.flush()
             code = subprocess.run(command, cwd=self.tree, env=self.environment(side, switches),
                                   stdout=handle, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL).returncode
         outcomes, messages = parse_junit(junit)
-        result = PytestRun(label, code, round(time.monotonic() - started, 1), outcomes,
+        result = PytestRun(label, code, round(wall, 1), round(time.monotonic() - started, 1),
+                           outcomes,
                            messages, str(log))
         console.info(f"{label}: {result.summary()} in {result.seconds:.0f}s (exit {code})")
         return result
@@ -388,8 +406,11 @@ def run_upstream(args: argparse.Namespace) -> int:
         if missing:
             raise E2Error("no such suite in the patched tree: " + ", ".join(missing))
         sides = prepare_sides(args, project, series, tree, "upstream")
-        runs = {"stock": sides.run("stock", suites, "upstream stock"),
-                "e2": sides.run("e2", suites, "upstream e2", switches)}
+        if args.parallel:
+            runs = sides.run_both(suites, "upstream", switches)
+        else:
+            runs = {"stock": sides.run("stock", suites, "upstream stock"),
+                    "e2": sides.run("e2", suites, "upstream e2", switches)}
         if not runs["stock"].outcomes:
             raise E2Error(f"the stock run reported no tests (exit {runs['stock'].returncode})",
                           hint=f"see {runs['stock'].log}")
@@ -473,6 +494,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              + ", ".join(DEFAULT_SUITES) + ")")
     suites.add_argument("--ci", action="store_true",
                         help="only the suites CI runs: " + ", ".join(CI_SUITES))
+    suites.add_argument("--parallel", action="store_true",
+                        help="run the stock and E2 sides at once (for suites that share no "
+                             "ports or files between processes; CI's do)")
     suites.add_argument("--switches-off", action="store_true",
                         help="run E2 with every switch of the series at 0 (upstream behaviour)")
     suites.set_defaults(run=run_upstream, timeout=UPSTREAM_TIMEOUT)

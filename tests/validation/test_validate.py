@@ -98,8 +98,12 @@ def test_upstream_reports_a_broken_block_pool_as_regression(real_project, tmp_pa
 @pytest.mark.slow
 def test_upstream_clean_series_has_no_regression(real_project, tmp_path):
     real_project("test", "upstream", "--suite", FREES_ALL, "--suite", SHM_TEST,
-                 "--switches-off", "--report", str(tmp_path))
+                 "--switches-off", "--parallel", "--report", str(tmp_path))
     data = results(tmp_path, "upstream")
+    stock, e2 = data["runs"]["stock"], data["runs"]["e2"]
+    # --parallel: each side started before the other ended
+    assert e2["started"] < stock["started"] + stock["seconds"]
+    assert stock["started"] < e2["started"] + e2["seconds"]
     assert data["e2_switches"] == {"VLLM_E2_REPORT": "0", "VLLM_E2_STATE_POOL": "0"}
     assert not data["regressions"] and not data["verdicts"]
     assert data["runs"]["stock"]["outcomes"] == data["runs"]["e2"]["outcomes"] == {
