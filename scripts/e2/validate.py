@@ -174,15 +174,14 @@ class Sides:
         with console.status(f"pytest: {label}"):
             return self._run(side, targets, label, switches)
 
-    def run_both(self, targets: list[str], label: str,
-                 switches: dict[str, str] | None) -> dict[str, PytestRun]:
-        """Stock and E2 at once, one pytest process each: upstream's per-test teardown
-        is single-threaded, so two cores take the pair in about the time of one side."""
-        with console.status(f"pytest: {label} stock and e2"), \
-                ThreadPoolExecutor(max_workers=2) as pool:
-            stock = pool.submit(self._run, "stock", targets, f"{label} stock", None)
-            e2 = pool.submit(self._run, "e2", targets, f"{label} e2", switches)
-            return {"stock": stock.result(), "e2": e2.result()}
+    def run_many(self, jobs: list[tuple[str, list[str], str, dict[str, str] | None]],
+                 what: str) -> list[PytestRun]:
+        """(side, targets, label, switches) runs at once, one pytest process each: a run
+        is mostly vLLM's import and upstream's single-threaded per-test teardown, so two
+        cores take two runs in about the time of one."""
+        with console.status(f"pytest: {what}"), ThreadPoolExecutor(len(jobs)) as pool:
+            return [future.result() for future in [pool.submit(self._run, *job)
+                                                   for job in jobs]]
 
     def _run(self, side: str, targets: list[str], label: str,
              switches: dict[str, str] | None) -> PytestRun:
@@ -407,7 +406,10 @@ def run_upstream(args: argparse.Namespace) -> int:
             raise E2Error("no such suite in the patched tree: " + ", ".join(missing))
         sides = prepare_sides(args, project, series, tree, "upstream")
         if args.parallel:
-            runs = sides.run_both(suites, "upstream", switches)
+            stock_run, e2_run = sides.run_many(
+                [("stock", suites, "upstream stock", None),
+                 ("e2", suites, "upstream e2", switches)], "upstream stock and e2")
+            runs = {"stock": stock_run, "e2": e2_run}
         else:
             runs = {"stock": sides.run("stock", suites, "upstream stock"),
                     "e2": sides.run("e2", suites, "upstream e2", switches)}
