@@ -202,8 +202,7 @@ class Sides:
                                   stdin=subprocess.DEVNULL).returncode
         outcomes, messages = parse_junit(junit)
         result = PytestRun(label, code, round(wall, 1), round(time.monotonic() - started, 1),
-                           outcomes,
-                           messages, str(log))
+                           outcomes, messages, str(log))
         console.info(f"{label}: {result.summary()} in {result.seconds:.0f}s (exit {code})")
         return result
 
@@ -405,14 +404,11 @@ def run_upstream(args: argparse.Namespace) -> int:
         if missing:
             raise E2Error("no such suite in the patched tree: " + ", ".join(missing))
         sides = prepare_sides(args, project, series, tree, "upstream")
-        if args.parallel:
-            stock_run, e2_run = sides.run_many(
-                [("stock", suites, "upstream stock", None),
-                 ("e2", suites, "upstream e2", switches)], "upstream stock and e2")
-            runs = {"stock": stock_run, "e2": e2_run}
-        else:
-            runs = {"stock": sides.run("stock", suites, "upstream stock"),
-                    "e2": sides.run("e2", suites, "upstream e2", switches)}
+        jobs = [("stock", suites, "upstream stock", None),
+                ("e2", suites, "upstream e2", switches)]
+        stock_run, e2_run = (sides.run_many(jobs, "upstream stock and e2") if args.parallel
+                             else [sides.run(*job) for job in jobs])
+        runs = {"stock": stock_run, "e2": e2_run}
         if not runs["stock"].outcomes:
             raise E2Error(f"the stock run reported no tests (exit {runs['stock'].returncode})",
                           hint=f"see {runs['stock'].log}")

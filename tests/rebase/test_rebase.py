@@ -233,3 +233,10 @@ def test_validate_reports_seam_tests_and_upstream_delta_on_the_new_release(craft
     assert "0001" in seam["problems"][0] and "0004" in seam["problems"][0]
     markdown = (e2.root / "docs/rebases/0.31.0-to-0.32.0.md").read_text()
     assert "- FAIL: e2 test seam" in markdown and "- ok: e2 test upstream" in markdown
+
+
+def test_validate_suite_without_validate_is_refused(e2):
+    _, _, err = e2("rebase", "--onto", "0.32.0", "--validate-suite", "tests/test_envs.py",
+                   expect=1)
+    assert "--validate-suite needs --validate" in err
+    assert not (e2.root / ".e2/rebase").exists()  # refused before anything started

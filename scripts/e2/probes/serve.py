@@ -921,7 +921,7 @@ def run_serve(args: argparse.Namespace) -> int:
     modes = tuple(m for m in MODES if m in (args.modes or MODES))
     sides = {side: run_side(runner, side, plan, modes) for side in SIDES}
     device = sides["stock"].get("device") or _cpu_name()
-    record = {"format": FORMAT, "header": _header(args, project, series, runner, model, device,
+    record = {"format": FORMAT, "header": _header(project, series, runner, model, device, modes,
                                                  time.monotonic() - started),
               "sides": sides}
     report = None if args.no_record else (args.report or project.root / "docs" / "validation")
@@ -959,8 +959,8 @@ def _cpu_name() -> str:
     return f"CPU: {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
-def _header(args, project: Project, series: Series, runner, model: str, device: str,
-            seconds: float) -> dict:
+def _header(project: Project, series: Series, runner, model: str, device: str,
+            modes: tuple[str, ...], seconds: float) -> dict:
     detail = runner.describe()
     return {"upstream_version": series.upstream.version, "upstream_tag": series.upstream.tag,
             "series_digest": series_digest(series, project.patches_dir),
@@ -973,8 +973,7 @@ def _header(args, project: Project, series: Series, runner, model: str, device: 
                                        f"{model_key(SEED)})",
             "settings": {"max_model_len": MAX_MODEL_LEN, "max_tokens": MAX_TOKENS,
                          "kv_cache_memory_bytes": runner.kv_bytes, "max_num_seqs": MAX_NUM_SEQS,
-                         "seed": SEED,
-                         "modes": [m for m in MODES if m in (args.modes or MODES)]},
+                         "seed": SEED, "modes": list(modes)},
             "command": _command_line(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(seconds, 1)}
