@@ -17,6 +17,9 @@ KV cache is planned from a zoo config.json as a CUDA boot would plan it.
   request must finish, the pool's free count must return to its start, no
   block may stay referenced and, on E2, every slab page must be idle and
   reclaim fully.
+* Faults: the soak's first requests twice per side, as is and with the KV
+  cache refusing allocations right after prefix hits and at state block
+  boundaries; every request must come out with the same tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
@@ -230,6 +234,37 @@ def run_soak(runtime: Runtime, soak: Soak, log_dir: Path) -> dict[str, dict]:
     return results
 
 
+def run_faults(runtime: Runtime, soak: Soak, log_dir: Path) -> dict[str, dict]:
+    """The soak as is and with allocation refusals, on both sides at once (only
+    the outcome counts here, not the seconds)."""
+    extra = ["--requests", str(soak.requests), "--mean-burst", str(soak.mean_burst)]
+
+    def one(side: str) -> dict:
+        worker = Worker(runtime, side, "faults", soak, log_dir, extra)
+        try:
+            worker.receive()
+            return worker.receive()
+        finally:
+            worker.close()
+
+    with ThreadPoolExecutor(len(SIDES)) as pool:
+        return dict(zip(SIDES, pool.map(one, SIDES)))
+
+
+def fault_problems(side: str, result: dict) -> list[str]:
+    """Why a side failed the fault run; empty when every refusal kind happened
+    and every request came out as in the run without faults, pool clean."""
+    problems = [problem for run in result["runs"].values()
+                for problem in soak_problems(side, run)]
+    for kind, count in result["refusals"].items():
+        if not count:
+            problems.append(f"{side}: no allocation was refused {kind.replace('_', ' ')}")
+    if result["num_differing"]:
+        problems.append(f"{side}: {result['num_differing']} requests' tokens differ from the "
+                        f"run without faults (first: {', '.join(result['differing_outputs'])})")
+    return problems
+
+
 def soak_problems(side: str, result: dict) -> list[str]:
     """Why a side's soak failed; empty when it passed."""
     problems = []
@@ -278,12 +313,33 @@ def print_soak(soak: Soak, results: dict[str, dict]) -> bool:
         held = (f", slab pages held at the end {slab['held_pages']} (all idle, reclaimed)"
                 if slab and r["audit"]["clean"] else "")
         print(f"  {side:5}  {r['finished']}/{r['requests']} finished ({r['aborted']} aborted), "
-              f"{r['steps']} steps, {r['preemptions']} preemptions, {r['prefix_hit_tokens']} "
-              f"prefix-hit tokens, {r['seconds']:.0f} s ({r['cpu_seconds']:.0f} s CPU); leaked blocks "
-              f"{r['audit']['leaked_blocks']}{held}")
+              f"{r['steps']} steps, {r['preemptions']} preemptions, {r['seconds']:.0f} s "
+              f"({r['cpu_seconds']:.0f} s CPU); leaked blocks {r['audit']['leaked_blocks']}{held}")
+        print(f"         prefix-hit tokens: {r['prefix_hit_tokens']:,} of "
+              f"{r['prompt_tokens']:,} prompt tokens on admission, {r['resume_hit_tokens']:,} "
+              f"more on resuming preempted requests")
         problems += soak_problems(side, r)
     for problem in problems:
         print(f"  LEAK {problem}")
+    return not problems
+
+
+def print_faults(soak: Soak, results: dict[str, dict]) -> bool:
+    print(f"faults, the soak's first {soak.requests} requests twice: as is, then with "
+          f"allocations refused after prefix hits and at state block boundaries")
+    problems = []
+    for side in SIDES:
+        r = results[side]
+        as_is, faults = r["runs"]["as_is"], r["runs"]["faults"]
+        print(f"  {side:5}  refused {r['refusals']['after_prefix_hit']} after a prefix hit, "
+              f"{r['refusals']['at_state_boundary']} at a {r['state_block_size']}-token state "
+              f"block boundary; preemptions {as_is['preemptions']} -> {faults['preemptions']}; "
+              f"{faults['finished']}/{faults['requests']} finished, "
+              f"{r['output_tokens'] if not r['num_differing'] else r['num_differing']} "
+              f"{'output tokens the same' if not r['num_differing'] else 'requests differ'}")
+        problems += fault_problems(side, r)
+    for problem in problems:
+        print(f"  FAULT {problem}")
     return not problems
 
 
@@ -294,13 +350,16 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=200, help="untimed steps first")
     parser.add_argument("--soak-requests", type=int, default=Soak.requests)
     parser.add_argument("--seed", type=int, default=0, help="the soak's seed")
-    parser.add_argument("--only", choices=("steps", "soak"), help="run one of the two")
+    parser.add_argument("--only", choices=("steps", "soak", "faults"), help="run one part")
+    parser.add_argument("--fault-requests", type=int, default=1_000,
+                        help="the soak's requests the fault run replays")
     parser.add_argument("--control", action="store_true",
                         help="run the E2 side with VLLM_E2_STATE_POOL=0: the ratio then "
                              "measures the benchmark's own error (expect 1.00)")
     args = parser.parse_args()
-    if args.rounds < 1 or args.steps < 1 or args.soak_requests < 1 or args.warmup < 0:
-        parser.error("--rounds, --steps and --soak-requests must be positive")
+    if min(args.rounds, args.steps, args.soak_requests, args.fault_requests) < 1 \
+            or args.warmup < 0:
+        parser.error("--rounds, --steps, --soak-requests and --fault-requests must be positive")
     bench = StepBench()
     soak = Soak(requests=args.soak_requests,
                 workload=WorkloadSpec(**{**asdict(Soak().workload), "seed": args.seed}))
@@ -311,12 +370,15 @@ def main() -> int:
             print("control: the e2 side runs with VLLM_E2_STATE_POOL=0")
         with tempfile.TemporaryDirectory(prefix="e2-bench-sched-") as tmp:
             ok = True
-            if args.only != "soak":
+            if args.only in (None, "steps"):
                 figures = run_steps(runtime, bench, args.rounds, args.steps, args.warmup,
                                     Path(tmp))
                 ok &= print_steps(bench, figures, args.steps)
-            if args.only != "steps":
+            if args.only in (None, "soak"):
                 ok &= print_soak(soak, run_soak(runtime, soak, Path(tmp)))
+            if args.only in (None, "faults"):
+                faults = replace(soak, requests=args.fault_requests)
+                ok &= print_faults(faults, run_faults(runtime, faults, Path(tmp)))
     except E2Error as exc:
         print(f"error: {exc}" + (f"\n  hint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
         return 2

@@ -14,6 +14,9 @@ functions are capacity_worker's own.
 * ``soak``: N seeded requests arriving in bursts, with shared prefixes and
   client aborts, stepped to the end; then every request must be finished and
   the pool audited for leaked blocks, slab pages and states.
+* ``faults``: the soak as is, then again with allocation refusals injected
+  after prefix hits and at state block boundaries (scheduler_faults.py); every
+  request must finish with the same tokens both times.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ MAX_STEPS = 2_000_000
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("steps", "soak"))
+    parser.add_argument("mode", choices=("steps", "soak", "faults"))
     parser.add_argument("--model", required=True, type=Path)
     parser.add_argument("--budget-gib", type=float, required=True)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -108,9 +111,23 @@ class SchedulerHarness:
         self.pool = manager.block_pool
         self.free_at_start = self.pool.get_num_free_blocks()
         self.requests: dict[str, Any] = {}
-        self.steps = self.preemptions = self.prefix_hit_tokens = self.prefix_queries = 0
+        self.steps = self.preemptions = 0
+        # Prefix-cache tokens, new requests apart from resumed (preempted) ones:
+        # a resumed request mostly hits its own blocks, so a side that preempts
+        # more gets more of those without caching anything better.
+        self.prefix_hit_tokens = self.prefix_queries = 0
+        self.resume_hit_tokens = self.resume_queries = 0
         self.batch_sizes: list[int] = []
+        # The fake model: a constant token, or (faults mode) one that follows
+        # from the request's history.
+        self.next_token = lambda request: capacity_worker.FAKE_TOKEN
         self.scheduled_tokens: list[int] = []
+        # As EngineCore does once its scheduler exists: the startup heap (the
+        # pool's block objects among it) leaves the collector's oldest generation,
+        # whose passes would otherwise walk every block a few times a second.
+        from vllm.utils.gc_utils import freeze_gc_heap
+
+        freeze_gc_heap()
 
     def add(self, shape: RequestShape) -> None:
         from vllm.sampling_params import SamplingParams
@@ -143,7 +160,7 @@ class SchedulerHarness:
         for req_id in req_ids:
             request = scheduler.requests[req_id]
             done_prefill = request.num_computed_tokens >= request.num_tokens
-            sampled.append([capacity_worker.FAKE_TOKEN] if done_prefill else [])
+            sampled.append([self.next_token(request)] if done_prefill else [])
         runner_output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
@@ -160,8 +177,10 @@ class SchedulerHarness:
             stats = engine_output.scheduler_stats
             if stats is not None and stats.prefix_cache_stats is not None:
                 cache = stats.prefix_cache_stats
-                self.prefix_hit_tokens += cache.hits + cache.preempted_hits
-                self.prefix_queries += cache.queries + cache.preempted_queries
+                self.prefix_hit_tokens += cache.hits
+                self.prefix_queries += cache.queries
+                self.resume_hit_tokens += cache.preempted_hits
+                self.resume_queries += cache.preempted_queries
         return cpu, wall
 
 
@@ -232,8 +251,10 @@ def run_steps(args: argparse.Namespace, harness: SchedulerHarness, spec: Workloa
               "preemptions": harness.preemptions, "usage": harness.scheduler.kv_cache_manager.usage})
 
 
-def run_soak(args: argparse.Namespace, harness: SchedulerHarness, spec: WorkloadSpec,
-             send) -> None:
+def drive_soak(args: argparse.Namespace, harness: SchedulerHarness,
+               spec: WorkloadSpec) -> dict:
+    """The soak's requests, arriving in bursts with client aborts, stepped until
+    every one is done; returns what happened to them."""
     shapes = list(islice(stream(spec), args.requests))
     arrive = arrivals(spec.seed, args.requests, args.mean_burst)
     aborts: dict[int, list[str]] = {}
@@ -262,14 +283,59 @@ def run_soak(args: argparse.Namespace, harness: SchedulerHarness, spec: Workload
     short = [r for r, req in harness.requests.items()
              if req.is_finished() and req.status.name == "FINISHED_LENGTH_CAPPED"
              and req.num_output_tokens != req.max_tokens]
-    send({"requests": len(shapes), "finished": len(shapes) - len(unfinished),
-          "unfinished": unfinished[:20], "aborted": aborted, "wrong_length": short[:20],
-          "steps": harness.steps, "preemptions": harness.preemptions,
-          "prefix_hit_tokens": harness.prefix_hit_tokens,
-          "prefix_query_tokens": harness.prefix_queries,
-          "prompt_tokens": sum(len(s.prompt) for s in shapes),
-          "max_batch": max(harness.batch_sizes, default=0),
-          "seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2), "audit": audit(harness), "planner": harness.planner})
+    return {"requests": len(shapes), "finished": len(shapes) - len(unfinished),
+            "unfinished": unfinished[:20], "aborted": aborted, "wrong_length": short[:20],
+            "steps": harness.steps, "preemptions": harness.preemptions,
+            "prefix_hit_tokens": harness.prefix_hit_tokens,
+            "prefix_query_tokens": harness.prefix_queries,
+            "resume_hit_tokens": harness.resume_hit_tokens,
+            "resume_query_tokens": harness.resume_queries,
+            "prompt_tokens": sum(len(s.prompt) for s in shapes),
+            "max_batch": max(harness.batch_sizes, default=0),
+            "seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2)}
+
+
+def run_soak(args: argparse.Namespace, harness: SchedulerHarness, spec: WorkloadSpec,
+             send) -> None:
+    result = drive_soak(args, harness, spec)
+    send({**result, "audit": audit(harness), "planner": harness.planner})
+
+
+def same_tokens(one: tuple[list[int], bool], other: tuple[list[int], bool]) -> bool:
+    """Equal outputs; a request the client aborted (at a fixed step, which the
+    faults' retries shift) needs only agree on the tokens both runs made."""
+    (tokens, aborted), (other_tokens, other_aborted) = one, other
+    if aborted or other_aborted:
+        common = min(len(tokens), len(other_tokens))
+        return tokens[:common] == other_tokens[:common]
+    return tokens == other_tokens
+
+
+def run_faults(args: argparse.Namespace, harness: SchedulerHarness, spec: WorkloadSpec,
+               send) -> None:
+    """The soak twice, as is and with allocation refusals (scheduler_faults.py);
+    the fake model's tokens follow each request's history, so a resume that
+    lost or repeated a token shows as a different output."""
+    from scheduler_faults import AllocationFaults, history_token
+
+    outputs = {}
+    runs = {}
+    for run in ("as_is", "faults"):
+        if run == "faults":
+            harness = SchedulerHarness(args, spec)
+            faults = AllocationFaults.install(harness.scheduler)
+        harness.next_token = history_token
+        runs[run] = drive_soak(args, harness, spec)
+        runs[run]["audit"] = audit(harness)
+        outputs[run] = {r: (list(req.output_token_ids), req.status.name == "FINISHED_ABORTED")
+                        for r, req in harness.requests.items()}
+    differ = sorted(r for r in outputs["as_is"]
+                    if not same_tokens(outputs["as_is"][r], outputs["faults"][r]))
+    send({"runs": runs, "differing_outputs": differ[:20], "num_differing": len(differ),
+          "output_tokens": sum(len(tokens) for tokens, _ in outputs["as_is"].values()),
+          "refusals": {"after_prefix_hit": faults.after_prefix_hit,
+                       "at_state_boundary": faults.at_state_boundary},
+          "state_block_size": faults.state_block_size, "planner": harness.planner})
 
 
 def main() -> int:
@@ -285,7 +351,8 @@ def main() -> int:
         spec = WorkloadSpec(**json.loads(args.workload))
         harness = SchedulerHarness(args, spec)
         send({"vllm_file": vllm.__file__, "pool": type(harness.pool).__name__})
-        (run_steps if args.mode == "steps" else run_soak)(args, harness, spec, send)
+        modes = {"steps": run_steps, "soak": run_soak, "faults": run_faults}
+        modes[args.mode](args, harness, spec, send)
     except Exception as exc:  # noqa: BLE001 - reported to the driver, with the trace
         send({"error": f"{type(exc).__name__}: {exc}",
               "traceback": traceback.format_exc()[-4000:]})

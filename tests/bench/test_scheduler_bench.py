@@ -1,7 +1,8 @@
 """The scheduler benchmark on the real vLLM venv, stock and E2 (the e2 view of
 overlay/): a short soak finishes clean on both sides after preempting and
-hitting the prefix cache, the audit sees a leak when one is left, and the step
-benchmark pairs its steps. Each side's process boots in about half a minute."""
+hitting the prefix cache, allocations refused after prefix hits and at state
+block boundaries retry to the same tokens, the audit sees a leak when one is
+left, and the step benchmark pairs its steps. Each side's process boots in about half a minute."""
 
 from __future__ import annotations
 
@@ -85,6 +86,13 @@ def test_short_soak_finishes_clean(soak, side):
     else:
         assert result["preemptions"] <= soak["stock"]["preemptions"]
     assert result["prefix_hit_tokens"] > 0
+    # Resumed requests hit their own blocks: counted apart, only stock has many.
+    if side == "stock":
+        assert result["resume_hit_tokens"] > 0
+    else:
+        # 256-token align checkpoints find more of the shared prefixes than
+        # stock's 544-token ones, in less memory for attention.
+        assert result["prefix_hit_tokens"] >= soak["stock"]["prefix_hit_tokens"]
     assert result["aborted"] > 0
     audit = result["audit"]
     assert audit["leaked_blocks"] == 0 and audit["blocks_in_use"] == 0
@@ -140,3 +148,27 @@ def test_step_bench_pairs_the_two_sides(runtime, tmp_path):
     assert figures["batch"] > 0
     assert figures["stock_median"] > 0 and figures["e2_median"] > 0
     assert 0.2 < figures["ratio"] < 5
+
+
+@pytest.fixture(scope="module")
+def faults(runtime, tmp_path_factory) -> dict[str, dict]:
+    return bench_scheduler.run_faults(runtime, SOAK, tmp_path_factory.mktemp("faults"))
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_refused_allocations_retry_to_the_same_tokens(faults, side):
+    result = faults[side]
+    assert bench_scheduler.fault_problems(side, result) == []
+    as_is, refused = result["runs"]["as_is"], result["runs"]["faults"]
+    assert as_is["finished"] == refused["finished"] == SOAK.requests
+    # Both moments were hit, each refusal taken by the scheduler's retry path:
+    # a waiting request stays waiting, a running one costs a preemption.
+    assert result["refusals"]["after_prefix_hit"] > 0
+    assert result["refusals"]["at_state_boundary"] > 0
+    if side == "e2":  # E2 barely preempts as is: the refusals' preemptions show
+        assert refused["preemptions"] > as_is["preemptions"]
+    # The fake model's tokens follow each request's history: the same tokens
+    # mean no request lost or repeated one on its way through the retries.
+    assert result["output_tokens"] > SOAK.requests
+    assert result["num_differing"] == 0
+    assert result["state_block_size"] == (256 if side == "e2" else 544)

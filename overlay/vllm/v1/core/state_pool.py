@@ -277,25 +277,12 @@ def boundary_state_pages(coordinator: KVCacheCoordinator, request: Request) -> i
     decode headroom: one per align group before its first decode (the state
     leaves the prefill's checkpoint block) or when the headroom crosses a state
     block boundary, and none otherwise."""
-    pages = 0
-    horizon = request.num_tokens + decode_headroom(request)
-    for manager in coordinator.single_type_managers:
-        spec = manager.kv_cache_spec
-        if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
-            crosses = request.num_tokens // spec.block_size != horizon // spec.block_size
-            pages += int(request.num_output_tokens == 0 or crosses)
-    return pages
+    return _reserve(coordinator, [request])[1]
 
 
 def decode_growth_blocks(coordinator: KVCacheCoordinator, request: Request) -> int:
     """Slab blocks a running request may still take for its decode headroom."""
-    horizon = min(request.num_tokens + decode_headroom(request), coordinator.max_model_len)
-    blocks = 0
-    for manager in coordinator.single_type_managers:
-        if manager.block_pool is coordinator.slab_pool:
-            held = len(manager.req_to_blocks.get(request.request_id, ()))
-            blocks += max(0, cdiv(horizon, manager.block_size) - held)
-    return blocks
+    return _reserve(coordinator, [request])[0]
 
 
 def reserve_running_requests(
@@ -303,15 +290,58 @@ def reserve_running_requests(
 ) -> None:
     """Set (or, with ``add``, raise) what admission keeps for ``running``: the
     slab blocks of their decode headroom and their align-mode boundary states."""
-    blocks = pages = 0
-    for request in running:
-        blocks += decode_growth_blocks(coordinator, request)
-        pages += boundary_state_pages(coordinator, request)
+    blocks, pages = _reserve(coordinator, running)
     if add:
         blocks += coordinator.slab_reserved_blocks
         pages += coordinator.reserved_state_pages
     coordinator.slab_reserved_blocks = blocks
     coordinator.reserved_state_pages = pages
+
+
+def _reserve(coordinator: KVCacheCoordinator, running: Iterable[Request]) -> tuple[int, int]:
+    """Slab blocks and boundary state pages ``running`` may still take. The
+    scheduler runs it over the whole batch once a step, so decode_headroom is
+    inlined and the groups are sorted out once."""
+    slab_blocks = [(m.req_to_blocks, m.block_size) for m in _slab_managers(coordinator)]
+    align_blocks = _align_block_sizes(coordinator)
+    max_model_len = coordinator.max_model_len
+    blocks = pages = 0
+    for request in running:
+        num_tokens = request.num_tokens
+        headroom = min(request.max_tokens - request.num_output_tokens, DECODE_HEADROOM_TOKENS)
+        headroom = max(headroom, 0)
+        horizon = min(num_tokens + headroom, max_model_len)
+        request_id = request.request_id
+        for req_to_blocks, block_size in slab_blocks:
+            need = cdiv(horizon, block_size) - len(req_to_blocks.get(request_id, ()))
+            if need > 0:
+                blocks += need
+        if align_blocks:
+            pages += _boundary_pages(request, headroom, align_blocks)
+    return blocks, pages
+
+
+def _slab_managers(coordinator: KVCacheCoordinator) -> list:
+    return [
+        m for m in coordinator.single_type_managers if m.block_pool is coordinator.slab_pool
+    ]
+
+
+def _align_block_sizes(coordinator: KVCacheCoordinator) -> list[int]:
+    return [
+        m.kv_cache_spec.block_size
+        for m in coordinator.single_type_managers
+        if isinstance(m.kv_cache_spec, MambaSpec) and m.kv_cache_spec.mamba_cache_mode == "align"
+    ]
+
+
+def _boundary_pages(request: Request, headroom: int, align_blocks: list[int]) -> int:
+    num_tokens = request.num_tokens
+    first_decode = request.num_output_tokens == 0
+    return sum(
+        first_decode or num_tokens // size != (num_tokens + headroom) // size
+        for size in align_blocks
+    )
 
 
 # ---------------------------------------------------------------- pools
@@ -545,8 +575,9 @@ class PagePool(BlockPool):
 
     def get_num_free_blocks(self, with_slab: bool = True) -> int:
         free = self.free_block_queue.num_free_blocks
-        if with_slab:
-            free += self.slab.num_idle_pages
+        if with_slab:  # asked a few times per request a step: no property chain
+            slab_queue = self.slab.free_block_queue
+            free += len(slab_queue.pages_with_free[slab_queue.blocks_per_page])
         return free
 
     def get_new_blocks(
