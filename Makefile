@@ -8,7 +8,7 @@ STRICT ?=
 # `make validate` none (all the default suites).
 UPSTREAM ?=
 
-.PHONY: install verify overlay render image pin base-cpu test test-driver test-image test-env seam \
+.PHONY: install verify overlay render image pin base-cpu test lint test-driver test-image test-env seam \
 	upstream-tests validate probe-cpu capacity-baseline probe-gpu bench bench-driver \
 	bench-scheduler
 
@@ -48,7 +48,7 @@ base-cpu: install
 # Every tier: the pytest suites (driver, rebase, image, probes, and the series' seam
 # tests through tests/validation), then the upstream delta on CI's suites, written
 # to .e2/results/. `make validate` runs the whole delta and the probes' records.
-test: install
+test: install lint
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests
 	$(MAKE) upstream-tests UPSTREAM="--ci --parallel"
 
@@ -76,8 +76,16 @@ capacity-baseline: install
 	$(PYTHON) -m pip install -q -e '.[plot]'
 	$(E2) probe capacity --baseline --capability $(CAPABILITY)
 
+# ruff (pyflakes, import order, pyupgrade, bugbear) and mypy (no untyped defs), as
+# configured in pyproject.toml.
+lint: install
+	$(PYTHON) -m ruff check scripts tests
+	$(PYTHON) -m mypy
+
+# The driver's own tests, without the ones that run vLLM or Docker (markers in
+# pyproject.toml): a few minutes with the pinned sdists cached.
 test-driver: install
-	$(PYTHON) -m pytest tests/driver tests/rebase
+	$(PYTHON) -m pytest tests/driver tests/rebase -m "not slow and not docker_e2e"
 
 test-image: install
 	$(PYTHON) -m pytest tests/image

@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from series20 import build  # noqa: E402
-
 from e2.upstream import UpstreamCache  # noqa: E402
+from series20 import build  # noqa: E402
 
 APPLY_TARGET = 1.2
 VERIFY_TARGET_S = 15.0

@@ -36,13 +36,12 @@ from pathlib import Path
 from typing import IO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scheduler_workload import WorkloadSpec, step_ratio  # noqa: E402
-
 from e2 import testenv  # noqa: E402
 from e2.errors import E2Error  # noqa: E402
 from e2.probe import ZOO, Runtime  # noqa: E402
 from e2.series import Project  # noqa: E402
 from e2.upstream import default_cache_dir  # noqa: E402
+from scheduler_workload import WorkloadSpec, step_ratio  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "scheduler_worker.py"
 STEP_TARGET = 1.05

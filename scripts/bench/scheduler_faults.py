@@ -50,8 +50,8 @@ class AllocationFaults:
         allocate = manager.allocate_slots
         pool = manager.block_pool
 
-        def allocate_slots(request, num_new_tokens, num_new_computed_tokens=0,
-                           *args, **kwargs):
+        def allocate_slots(request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                           *args: Any, **kwargs: Any) -> Any:
             kind = faults._choose(request, num_new_tokens, num_new_computed_tokens)
             if kind is None:
                 return allocate(request, num_new_tokens, num_new_computed_tokens,

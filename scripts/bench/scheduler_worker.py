@@ -28,6 +28,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ import capacity_worker  # noqa: E402
 from scheduler_workload import RequestShape, WorkloadSpec, arrivals, stream  # noqa: E402
 
 MAX_STEPS = 2_000_000
+Send = Callable[[dict], None]  # writes one JSON line to the driver
 
 
 def _parse() -> argparse.Namespace:
@@ -81,8 +83,11 @@ class SchedulerHarness:
 
     def __init__(self, args: argparse.Namespace, spec: WorkloadSpec) -> None:
         from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,
-                                                 resolve_kv_cache_block_sizes)
+        from vllm.v1.core.kv_cache_utils import (
+            get_request_block_hasher,
+            init_none_hash,
+            resolve_kv_cache_block_sizes,
+        )
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
@@ -230,7 +235,7 @@ def audit(harness: SchedulerHarness) -> dict:
 
 
 def run_steps(args: argparse.Namespace, harness: SchedulerHarness, spec: WorkloadSpec,
-              send) -> None:
+              send: Send) -> None:
     shapes = stream(spec)
     send({"ready": True, "planner": harness.planner})
     for line in sys.stdin:
@@ -296,7 +301,7 @@ def drive_soak(args: argparse.Namespace, harness: SchedulerHarness,
 
 
 def run_soak(args: argparse.Namespace, harness: SchedulerHarness, spec: WorkloadSpec,
-             send) -> None:
+             send: Send) -> None:
     result = drive_soak(args, harness, spec)
     send({**result, "audit": audit(harness), "planner": harness.planner})
 
@@ -312,7 +317,7 @@ def same_tokens(one: tuple[list[int], bool], other: tuple[list[int], bool]) -> b
 
 
 def run_faults(args: argparse.Namespace, harness: SchedulerHarness, spec: WorkloadSpec,
-               send) -> None:
+               send: Send) -> None:
     """The soak twice, as is and with allocation refusals (scheduler_faults.py);
     the fake model's tokens follow each request's history, so a resume that
     lost or repeated a token shows as a different output."""

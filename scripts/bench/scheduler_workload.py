@@ -88,7 +88,8 @@ def arrivals(seed: int, count: int, mean_burst: int) -> list[int]:
     """The step at which each of ``count`` requests arrives: bursts of 1..2*mean_burst
     requests a few steps apart, with now and then a long lull that lets the pool drain."""
     rng = random.Random(f"arrivals-{seed}")
-    steps, step = [], 0
+    steps: list[int] = []
+    step = 0
     while len(steps) < count:
         steps += [step] * min(count - len(steps), rng.randint(1, 2 * mean_burst))
         step += rng.randint(300, 600) if rng.random() < 0.03 else rng.randint(1, 20)

@@ -17,9 +17,20 @@ from e2 import console
 from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.fsio import read_tree
-from e2.gitops import (COMMITTER_ENV, DIFF_FLAGS, Hunk, clone_worktree, open_worktree,
-                       parse_hunks, remove_tree, require_clean, stable_git, touched_files,
-                       worktree_base)
+from e2.gitops import (
+    COMMITTER_ENV,
+    DIFF_FLAGS,
+    Hunk,
+    clone_worktree,
+    commit_summary,
+    open_worktree,
+    parse_hunks,
+    remove_tree,
+    require_clean,
+    stable_git,
+    touched_files,
+    worktree_base,
+)
 from e2.series import Patch, Project, Series
 from e2.upstream import UpstreamCache
 
@@ -195,8 +206,8 @@ def _check_replaceable(project: Project, dest: Path) -> None:
     exported = read_tree(project.patches_dir, "*.patch")
     for commit, text in format_patches(repo, f"refs/tags/{base}"):
         if text not in exported.values():
-            raise E2Error(f"{dest} has commit {commit.hexsha[:12]} ({commit.summary}) that "
-                          "is not in patches/; --force would lose it",
+            raise E2Error(f"{dest} has commit {commit.hexsha[:12]} ({commit_summary(commit)}) "
+                          "that is not in patches/; --force would lose it",
                           hint=f"export it first: e2 export --from {dest}")
 
 
@@ -239,6 +250,7 @@ def describe_failure(repo: git.Repo, project: Project, patch: Patch, series: Ser
     """Name the patch, file and hunk that failed, with the upstream lines it expected."""
     base = series.upstream.tag + (f" + {applied[0]}..{applied[-1]}" if applied else "")
     head = f"patch {patch.id} ({project.patches_dir.name}/{patch.file}) does not apply on {base}"
+    assert repo.working_tree_dir is not None  # a worktree made by e2 apply, never bare
     worktree = Path(repo.working_tree_dir)
     text = project.patch_path(patch).read_text(encoding="utf-8", errors="replace")
     for hunk in parse_hunks(text):

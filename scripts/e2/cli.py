@@ -6,8 +6,21 @@ import argparse
 import sys
 from pathlib import Path
 
-from e2 import (apply, console, crash, export, image, models, overlay, probe, rebase, status,
-                testenv, validate, verify)
+from e2 import (
+    apply,
+    console,
+    crash,
+    export,
+    image,
+    models,
+    overlay,
+    probe,
+    rebase,
+    status,
+    testenv,
+    validate,
+    verify,
+)
 from e2.apply import UpstreamOptions
 from e2.errors import E2Error
 from e2.series import Project

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress,
-                           TextColumn, TimeElapsedColumn)
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)

@@ -20,8 +20,14 @@ from e2 import console
 from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.fsio import read_tree, replace_dir, write_atomic
-from e2.gitops import (FORMAT_PATCH_FLAGS, open_worktree, require_clean, stable_git,
-                       worktree_base)
+from e2.gitops import (
+    FORMAT_PATCH_FLAGS,
+    commit_summary,
+    open_worktree,
+    require_clean,
+    stable_git,
+    worktree_base,
+)
 from e2.series import Patch, Project, Series, render_series, slugify
 
 
@@ -50,7 +56,8 @@ def format_patches(repo: git.Repo, base: str) -> list[tuple[git.Commit, bytes]]:
     # format-patch writes an empty commit as a 0-byte file (or skips it): neither applies
     empty = [c for c in commits if not c.diff(c.parents[0])]
     if empty or len(texts) != len(commits) or not all(t.strip() for t in texts):
-        named = ", ".join(f"{c.hexsha[:12]} ({c.summary})" for c in empty) or "one of them"
+        named = (", ".join(f"{c.hexsha[:12]} ({commit_summary(c)})" for c in empty)
+                 or "one of them")
         raise E2Error(f"{repo.working_tree_dir}: commit {named} on {base} changes nothing; "
                       "a patch must change a file",
                       hint="drop it (git rebase -i) and export again")
@@ -68,7 +75,7 @@ def match_metadata(series: Series, titles: list[str]) -> list[Patch | None]:
     by_title = {p.title: p for p in series.patches}
     matched: list[Patch | None] = [by_title.get(t) for t in titles]
     used = {p.id for p in matched if p}
-    for position, title in enumerate(titles):
+    for position in range(len(titles)):
         if matched[position] is None and position < len(series.patches):
             candidate = series.patches[position]
             if candidate.id not in used and candidate.title not in titles:
@@ -95,20 +102,21 @@ def export_series(project: Project, series: Series, source: Path) -> ExportResul
                       f"all {len(series.patches)} patches of series.yaml",
                       hint="recreate the worktree with e2 apply --force (or remove the "
                            "patches from series.yaml by hand if that is what you want)")
-    titles = [commit.summary for commit, _ in formatted]
+    titles = [commit_summary(commit) for commit, _ in formatted]
     matched = match_metadata(series, titles)
 
     entries, contents, new = [], {}, []
-    for number, ((commit, text), old) in enumerate(zip(formatted, matched), start=1):
+    for number, ((_, patch_text), old, title) in enumerate(zip(formatted, matched, titles),
+                                                            start=1):
         patch_id = f"{number:04d}"
-        file = f"{patch_id}-{slugify(commit.summary)}.patch"
-        contents[file] = text
+        file = f"{patch_id}-{slugify(title)}.patch"
+        contents[file] = patch_text
         if old is None:
-            entries.append(_placeholder(patch_id, commit.summary, file))
+            entries.append(_placeholder(patch_id, title, file))
             new.append(patch_id)
         else:
             entry = old.model_dump(mode="json")
-            entry.update(id=patch_id, file=file, title=commit.summary)
+            entry.update(id=patch_id, file=file, title=title)
             entries.append(entry)
     kept = {p.id for p in matched if p}
     dropped = [f"{p.id} {p.title}" for p in series.patches if p.id not in kept]

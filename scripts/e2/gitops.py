@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import git
 from unidiff import PatchSet
@@ -41,7 +42,7 @@ COMMITTER_ENV = {
 BRANCH = "e2"
 
 
-def stable_git(repo: git.Repo, *args: str, **kwargs) -> str:
+def stable_git(repo: git.Repo, *args: str, **kwargs: Any) -> str:
     """Run ``git -c <stable config> args`` through gitpython's wrapper."""
     command = ["git"]
     for item in STABLE_CONFIG:
@@ -92,6 +93,14 @@ def worktree_base(repo: git.Repo) -> str:
     except git.GitCommandError:
         raise E2Error(f"{repo.working_tree_dir} was not made by e2 apply (no e2.base)",
                       hint="create one with: e2 apply --out DIR") from None
+
+
+def commit_summary(commit: git.Commit) -> str:
+    """The commit's first line; gitpython leaves a message that fails to decode as bytes."""
+    summary = commit.summary
+    if isinstance(summary, bytes):
+        return summary.decode(commit.encoding, errors="replace")
+    return summary
 
 
 def am_in_progress(repo: git.Repo) -> bool:

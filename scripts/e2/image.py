@@ -24,6 +24,7 @@ import subprocess
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jinja2
 
@@ -32,6 +33,9 @@ from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.overlay import synced_manifest
 from e2.series import Project, Series, series_digest, write_image_digest
+
+if TYPE_CHECKING:
+    from docker import DockerClient
 
 TEMPLATE = "images/engine/Dockerfile.j2"
 DOCKERFILE = "Dockerfile"
@@ -183,7 +187,7 @@ def prepare_context(project: Project, series: Series, manifest: dict,
 # ---------------------------------------------------------------- docker
 
 
-def connect(context: Path | None = None, timeout: int = 900):
+def connect(context: Path | None = None, timeout: int = 900) -> DockerClient:
     """A client for DOCKER_HOST (or the default socket) that has answered a ping."""
     import docker  # imported late: render and verify need no Docker at all
 
@@ -201,7 +205,8 @@ def connect(context: Path | None = None, timeout: int = 900):
     return client
 
 
-def connect_or_start(project: Project, context: Path | None = None):
+def connect_or_start(project: Project, context: Path | None = None
+                     ) -> tuple[DockerClient, dockerd.PrivateDaemon | None]:
     """connect(), but with no DOCKER_HOST and nothing at the default socket, start the
     project's private daemon (root, dockerd installed); the client and that daemon."""
     import docker
@@ -273,7 +278,7 @@ def base_kind(ref: str, labels: dict, series: Series) -> str:
     return KIND_CUDA if _repository(ref) == _repository(series.image.base) else KIND_OTHER
 
 
-def resolve_base(client, ref: str, series: Series) -> Base:
+def resolve_base(client: DockerClient, ref: str, series: Series) -> Base:
     """The base image, present locally or pulled; refused when it carries another release."""
     import docker
 
@@ -300,7 +305,8 @@ def resolve_base(client, ref: str, series: Series) -> Base:
                 base_kind(ref, labels, series))
 
 
-def fall_back_to_cpu_base(client, series: Series, unavailable: BaseUnavailable) -> Base:
+def fall_back_to_cpu_base(client: DockerClient, series: Series,
+                          unavailable: BaseUnavailable) -> Base:
     """The pinned base is out of reach: the CPU base of the same release, made once."""
     from e2.imagebase import build_cpu_base
 
@@ -314,7 +320,8 @@ def fall_back_to_cpu_base(client, series: Series, unavailable: BaseUnavailable) 
     return resolve_base(client, cpu_ref, series)
 
 
-def docker_run_line(client, tag: str, kind: str, daemon: dockerd.PrivateDaemon | None) -> str:
+def docker_run_line(client: DockerClient, tag: str, kind: str,
+                    daemon: dockerd.PrivateDaemon | None) -> str:
     """The `docker run ... vllm serve` line for ``tag`` on the engine it was built on.
 
     --network host works on every Linux engine, the private one (no bridge)
@@ -348,10 +355,11 @@ def git_source(project: Project) -> str:
     return result.stdout.strip() if result.returncode == 0 else ""
 
 
-def build_image(client, context: Path, tag: str, buildargs: dict[str, str],
+def build_image(client: DockerClient, context: Path, tag: str, buildargs: dict[str, str],
                 nocache: bool = False) -> str:
     """docker build (classic builder, no network), output streamed; the image id."""
-    image_id, tail = None, []
+    image_id: str | None = None
+    tail: list[str] = []
     stream = client.api.build(path=str(context), tag=tag, buildargs=buildargs, decode=True,
                               rm=True, forcerm=True, pull=False, network_mode="none",
                               nocache=nocache)
@@ -375,7 +383,7 @@ def build_image(client, context: Path, tag: str, buildargs: dict[str, str],
     return image_id
 
 
-def new_layers(client, image_id: str, base_ref: str) -> list[str]:
+def new_layers(client: DockerClient, image_id: str, base_ref: str) -> list[str]:
     """Diff ids above the base: the overlay, then the byte-compile layer (if it wrote).
 
     Steps that write nothing leave no layer, so the guard adds none.

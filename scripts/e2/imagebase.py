@@ -21,8 +21,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
@@ -32,6 +33,10 @@ from e2.fsio import write_atomic
 from e2.image import LABEL_SITE_PACKAGES, LABEL_VLLM_VERSION, connect
 from e2.series import Series
 from e2.upstream import default_cache_dir
+
+if TYPE_CHECKING:
+    from docker import DockerClient
+    from docker.models.images import Image
 
 SUITE = "bookworm"
 PYTHON = "3.11"  # bookworm's python3; the host downloads wheels for it
@@ -151,7 +156,7 @@ def _size(path: Path) -> int:
     return int(result.stdout.split()[0]) if result.returncode == 0 else 0
 
 
-def _up_to_date(client, tag: str, recipe: str):
+def _up_to_date(client: DockerClient, tag: str, recipe: str) -> Image | None:
     """The image ``tag`` when it exists and was made by ``recipe``, else None."""
     import docker
 
@@ -163,7 +168,7 @@ def _up_to_date(client, tag: str, recipe: str):
         else None
 
 
-def _import(client, tar: Path, tag: str, version: str, recipe: str,
+def _import(client: DockerClient, tar: Path, tag: str, version: str, recipe: str,
             site_packages: str) -> None:
     changes = [f"ENV {env}" for env in IMAGE_ENV] + [
         f"LABEL {LABEL_SITE_PACKAGES}={site_packages}",
@@ -180,7 +185,7 @@ def _import(client, tar: Path, tag: str, version: str, recipe: str,
 
 
 def build_cpu_base(series: Series, tag: str, workdir: Path | None, force: bool,
-                   client=None) -> str:
+                   client: DockerClient | None = None) -> str:
     """Build (or reuse, or import from the cached tar) the CPU base ``tag``; its image id."""
     version = series.upstream.version
     recipe = recipe_id(version)
@@ -209,8 +214,8 @@ def build_cpu_base(series: Series, tag: str, workdir: Path | None, force: bool,
     return image.id
 
 
-def _build_and_import(client, work: Path, tag: str, version: str, recipe: str, tar: Path,
-                      record: Path) -> None:
+def _build_and_import(client: DockerClient, work: Path, tag: str, version: str, recipe: str,
+                      tar: Path, record: Path) -> None:
     log = work / "build.log"
     log.write_text("")
     rootfs, partial = work / "rootfs", tar.with_suffix(".tar.partial")

@@ -73,7 +73,8 @@ def _model_config_default(source: str) -> tuple[str, int] | None:
         if isinstance(node, ast.ClassDef) and node.name == "ModelConfig":
             for item in node.body:
                 if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
-                        and item.target.id == "model" and isinstance(item.value, ast.Constant)):
+                        and item.target.id == "model" and isinstance(item.value, ast.Constant)
+                        and isinstance(item.value.value, str)):
                     return item.value.value, item.lineno
     return None
 
@@ -117,7 +118,7 @@ class IdsFile:
     not_models: dict[str, str]          # id-shaped string -> why it is not a model
 
     @classmethod
-    def load(cls, path: Path = IDS_FILE) -> "IdsFile":
+    def load(cls, path: Path = IDS_FILE) -> IdsFile:
         try:
             data = yaml.safe_load(path.read_text())
             return cls(str(data["upstream"]), list(data["suites"]), dict(data["models"]),

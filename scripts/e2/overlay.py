@@ -250,7 +250,7 @@ class ScratchTree:
         return apply_series(self.project, self.series, Path(self._tmp.name) / "tree",
                             self.upstream, exact=True, sparse=True)
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         assert self._tmp is not None
         self._tmp.cleanup()
 

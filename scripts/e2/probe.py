@@ -100,7 +100,7 @@ def resolve_model(spec: str) -> Path:
     try:
         data = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
-        raise E2Error(f"{config_file}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}")
+        raise E2Error(f"{config_file}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
     archs = data.get("architectures") if isinstance(data, dict) else None
     if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
         raise E2Error(f"{config_file}: key `architectures` is missing or not a list of "
@@ -241,7 +241,7 @@ def run_jobs(runtime: Runtime, side: str, model: Path,
             done = subprocess.run(command, capture_output=True, text=True, cwd=scratch,
                                   env=runtime.env(side), timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise E2Error(f"{model.name} ({side}): the worker ran past {timeout}s")
+            raise E2Error(f"{model.name} ({side}): the worker ran past {timeout}s") from None
     missing = [out for _, out in runs if not out.is_file()]
     if missing:
         tail = "\n".join(done.stderr.splitlines()[-20:])
@@ -464,6 +464,7 @@ def matrix_scenarios(capability: str) -> list[tuple[str, Settings]]:
 
 def matrix_folder(args: argparse.Namespace, runtime: Runtime, capability: str) -> Path:
     """Per-run results of one worker, series and target: a rerun resumes there."""
+    assert runtime.view is not None  # the matrix compares stock with E2: there is an E2 side
     key = hashlib.sha256(WORKER.read_bytes()
                          + (runtime.view / "MANIFEST.json").read_bytes()
                          + capability.encode()).hexdigest()[:16]
@@ -586,7 +587,7 @@ def matrix_record(args: argparse.Namespace, runtime: Runtime, folder: Path,
                   scenarios: list[tuple[str, Settings]],
                   results: dict[tuple[str, str, str], dict]) -> dict:
     series = args.project.load()
-    runs = []
+    runs: list[dict] = []
     for name, settings in scenarios:
         runs.append({"model": name, "setting": settings.label(),
                      "settings": dataclasses.asdict(settings),
@@ -610,7 +611,7 @@ def matrix_record(args: argparse.Namespace, runtime: Runtime, folder: Path,
     }
 
 
-def _pair(stock, e2, fmt: str = "{}") -> str:
+def _pair(stock: object, e2: object, fmt: str = "{}") -> str:
     return fmt.format(stock) if stock == e2 else f"{fmt.format(stock)} → {fmt.format(e2)}"
 
 
@@ -626,10 +627,10 @@ def render_matrix(record: dict, plot_name: str) -> str:
                  for side in SIDES for row in run[side]["rows"]
                  for k in ("distinct", "shared_prefix"))
     workloads = sum(len(run["e2"]["rows"]) for run in record["runs"])
-    short = sorted((f"{row['distinct_ratio']:.3f} {run['model']} {run['setting']} "
+    short = sorted(f"{row['distinct_ratio']:.3f} {run['model']} {run['setting']} "
                     f"L={row['length']}" for run in record["runs"] for row in run["e2"]["rows"]
                     if row["distinct_ratio"] is not None
-                    and row["distinct_ratio"] < E2_MIN_RATIO))
+                    and row["distinct_ratio"] < E2_MIN_RATIO)
     lines = [
         "# KV capacity baseline", "",
         "How many requests of L tokens run at once, over the ideal of a separate state "
@@ -792,7 +793,7 @@ def _lengths(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError("comma-separated token counts, e.g. 128,4096")
+        raise argparse.ArgumentTypeError("comma-separated token counts, e.g. 128,4096") from None
     if not values or min(values) < 2:
         raise argparse.ArgumentTypeError("each length must be at least 2 tokens")
     return values

@@ -27,6 +27,8 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import git
 from pydantic import TypeAdapter, ValidationError
@@ -36,9 +38,17 @@ from e2.apply import PatchResult, UpstreamOptions, apply_series, find_offsets
 from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.fsio import read_tree, replace_dir, write_atomic
-from e2.gitops import COMMITTER_ENV, clone_worktree
-from e2.series import (RELEASE_VERSION, Patch, Project, Series, Upstream, load_series,
-                       render_series, slugify)
+from e2.gitops import COMMITTER_ENV, clone_worktree, commit_summary
+from e2.series import (
+    RELEASE_VERSION,
+    Patch,
+    Project,
+    Series,
+    Upstream,
+    load_series,
+    render_series,
+    slugify,
+)
 from e2.verify import verify
 
 VERDICTS = ("still-needed", "obsolete", "re-expressed", "dropped")
@@ -80,7 +90,7 @@ class RebaseState:
         return next((p for p in self.patches if p.status not in APPLIED + DROPPED), None)
 
     @classmethod
-    def load(cls, path: Path) -> "RebaseState":
+    def load(cls, path: Path) -> RebaseState:
         """The state file, checked against the dataclasses above as its schema."""
         hint = ("the rebase state is damaged: e2 rebase --abort puts everything back, "
                 "then start again")
@@ -98,7 +108,8 @@ class RebaseState:
 class Rebase:
     """Paths and steps of one rebase of one project."""
 
-    def __init__(self, project: Project, upstream: UpstreamOptions):
+    def __init__(self, project: Project, upstream: UpstreamOptions | None):
+        # upstream None: a Rebase that only reads the state (e2 status)
         self.project, self.upstream = project, upstream
         self.dir = project.state_dir / "rebase"
         self.state_file = self.dir / "state.json"
@@ -120,6 +131,10 @@ class Rebase:
 
     def repo(self) -> git.Repo:
         return git.Repo(self.work)
+
+    def _upstream(self) -> UpstreamOptions:
+        assert self.upstream is not None, "this Rebase was made to read the state only"
+        return self.upstream
 
     def backup_series(self) -> Series:
         """The series as it was when the rebase started (its metadata rides along)."""
@@ -144,12 +159,13 @@ class Rebase:
         self.require_committed()
         if target.tag == series.upstream.tag:
             raise E2Error(f"the series is already on {target.tag}")
-        self.upstream.cache.ensure(target, source=self.upstream.source, local=self.upstream.local)
+        upstream = self._upstream()
+        upstream.cache.ensure(target, source=upstream.source, local=upstream.local)
         shutil.rmtree(self.dir, ignore_errors=True)  # leftovers of a start killed before state
         self.dir.mkdir(parents=True)
         self._backup()
-        old = apply_series(self.project, series, self.dir / "old", self.upstream, sparse=True)
-        repo = clone_worktree(self.upstream.cache.repo_dir, self.work, target.tag)
+        old = apply_series(self.project, series, self.dir / "old", upstream, sparse=True)
+        repo = clone_worktree(upstream.cache.repo_dir, self.work, target.tag)
         repo.git.fetch("-q", str(old.path), "e2:refs/e2/old")
         shutil.rmtree(old.path)
         self.rr_cache.mkdir(parents=True, exist_ok=True)
@@ -374,8 +390,8 @@ class Rebase:
         for number, (patch_state, (commit, text)) in enumerate(zip(kept, formatted), start=1):
             entry = old_entries[patch_state.id].model_dump(mode="json")
             entry["id"] = f"{number:04d}"
-            entry["title"] = commit.summary
-            entry["file"] = f"{entry['id']}-{slugify(commit.summary)}.patch"
+            entry["title"] = commit_summary(commit)
+            entry["file"] = f"{entry['id']}-{slugify(entry['title'])}.patch"
             contents[entry["file"]] = text
             entries.append(entry)
         data = series.model_dump(mode="json")
@@ -391,7 +407,7 @@ class Rebase:
         write_atomic(self.project.series_file,
                      render_series(new_series.model_dump(mode="json"), previous))
         checkpoint("after-series")
-        with ScratchTree(self.project, new_series, self.upstream) as tree:
+        with ScratchTree(self.project, new_series, self._upstream()) as tree:
             plan = plan_overlay(new_series, self.project, tree)
         write_overlay(self.project, plan)
         _write_dockerfile(self.project, new_series, plan.manifest)
@@ -455,8 +471,11 @@ def _capture_conflicts(repo: git.Repo) -> list[Conflict]:
     """Each conflicted file's hunks: upstream's side, the merge base, the patch's side."""
     conflicts = []
     for path in _unmerged(repo):
+        assert repo.working_tree_dir is not None  # the rebase's worktree, never bare
         lines = (Path(repo.working_tree_dir) / path).read_text(errors="replace").splitlines()
-        hunks, current, part = [], None, None
+        hunks: list[dict] = []
+        current: dict[str, Any] | None = None  # the hunk being read
+        part = "ours"  # the side of it the next line belongs to
         for number, line in enumerate(lines, start=1):
             if line.startswith("<<<<<<<"):
                 current, part = {"line": number, "ours": [], "base": [], "theirs": []}, "ours"
@@ -591,7 +610,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_locked(args, rebase, rebase_report)
 
 
-def _run_locked(args: argparse.Namespace, rebase: Rebase, rebase_report) -> int:
+def _run_locked(args: argparse.Namespace, rebase: Rebase, rebase_report: ModuleType) -> int:
+    # rebase_report: the module e2.rebase_report, which run() imports late
     if args.validate_suite and not args.validate:
         raise E2Error("--validate-suite needs --validate")
     if args.abort:

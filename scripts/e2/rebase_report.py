@@ -10,18 +10,24 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import git
 
 from e2.fsio import write_atomic
 from e2.series import Series, series_digest
 
+if TYPE_CHECKING:
+    from e2.rebase import Rebase, RebaseState
+    from e2.verify import Check
+
 STATUSES = ("clean", "offset", "merged", "resolved", "obsolete", "dropped")
 NEXT_STEPS = ("e2 verify", "e2 test seam", "e2 test upstream", "e2 probe capacity",
               "e2 probe serve")
 
 
-def collect(rebase, state, old: Series, new: Series, checks: list | None = None) -> dict:
+def collect(rebase: Rebase, state: RebaseState, old: Series, new: Series,
+            checks: list[Check] | None = None) -> dict:
     repo: git.Repo = rebase.repo()
     old_tag, new_tag = state.source["tag"], state.target["tag"]
     touched = repo.git.diff("--name-only", f"refs/tags/{old_tag}", "refs/e2/old").split()
@@ -125,7 +131,8 @@ def render_markdown(report: dict) -> str:
     return "\n".join(out)
 
 
-def write(rebase, state, old: Series, new: Series, checks: list | None = None) -> Path:
+def write(rebase: Rebase, state: RebaseState, old: Series, new: Series,
+          checks: list[Check] | None = None) -> Path:
     report = collect(rebase, state, old, new, checks)
     folder = rebase.project.root / "docs" / "rebases"
     stem = f"{report['from']['version']}-to-{report['to']['version']}"

@@ -8,21 +8,24 @@ byte for byte when nothing changed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
-import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from filelock import FileLock, Timeout
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
-                      field_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from e2.errors import E2Error
 from e2.fsio import write_atomic
+
+if TYPE_CHECKING:
+    from ruamel.yaml import YAML
 
 SERIES_FILE = "series.yaml"
 PATCHES_DIR = "patches"
@@ -211,7 +214,7 @@ class Project:
         return load_series(self.series_file)
 
     @classmethod
-    def find(cls, start: Path | None = None) -> "Project":
+    def find(cls, start: Path | None = None) -> Project:
         here = (start or Path.cwd()).resolve()
         for candidate in [here, *here.parents]:
             if (candidate / SERIES_FILE).is_file():
@@ -244,9 +247,10 @@ def _compose_with_marks(text: str, path: Path) -> tuple[Any, dict[tuple, tuple[i
                 if key in result:
                     line = key_node.start_mark.line + 1
                     raise E2Error(f"{path}:{line}: duplicate key {key!r}")
-                marks[(*key_path, key)] = (key_node.start_mark.line + 1,
-                                           key_node.start_mark.column + 1)
-                result[key] = walk(value_node, (*key_path, key))
+                child_path = key_path + (key,)
+                marks[child_path] = (key_node.start_mark.line + 1,
+                                     key_node.start_mark.column + 1)
+                result[key] = walk(value_node, child_path)
             return result
         if isinstance(node, yaml.SequenceNode):
             return [walk(item, (*key_path, i)) for i, item in enumerate(node.value)]
@@ -331,7 +335,7 @@ def save_series(series: Series, path: Path) -> None:
     write_atomic(path, dump_series(series))
 
 
-def _round_trip_yaml():
+def _round_trip_yaml() -> YAML:
     from ruamel.yaml import YAML
 
     # the same layout dump_series writes, so an untouched file comes back byte for byte
@@ -433,6 +437,7 @@ def write_image_digest(path: Path, digest: str) -> None:
     text = path.read_text(encoding="utf-8")
     series = parse_series(text, path)
     root = yaml.compose(text, Loader=yaml.SafeLoader)
+    assert root is not None  # parse_series accepted the text: it holds a document
     image = next(value for key, value in root.value if key.value == "image")
     node = next((value for key, value in image.value if key.value == "digest"), None)
     if node is None:  # no digest key yet: canonical layout puts it after base

@@ -18,9 +18,10 @@ from e2.image import dockerfile_drift, has_dockerfile
 from e2.overlay import sync_problems, synced_manifest
 from e2.rebase import rebase_in_progress
 from e2.series import Project, Series, series_digest
+from e2.upstream import UpstreamCache
 
 
-def collect(project: Project, series: Series, cache) -> dict:
+def collect(project: Project, series: Series, cache: UpstreamCache) -> dict:
     problems: list[str] = []
     listed = {p.file for p in series.patches}
     on_disk = {p.name for p in project.patches_dir.glob("*.patch")}

@@ -229,7 +229,7 @@ class PatchedTree:
         apply_series(self.project, self.series, tree, self.args.upstream, exact=True)
         return tree
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         assert self._tmp is not None
         self._tmp.cleanup()
 

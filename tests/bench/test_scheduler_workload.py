@@ -11,7 +11,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 from scheduler_workload import (  # noqa: E402
-    PREFIX_TOKENS, SUFFIX_TOKENS, WorkloadSpec, arrivals, prefixes, step_ratio, stream)
+    PREFIX_TOKENS,
+    SUFFIX_TOKENS,
+    WorkloadSpec,
+    arrivals,
+    prefixes,
+    step_ratio,
+    stream,
+)
 
 
 def take(spec: WorkloadSpec, n: int):

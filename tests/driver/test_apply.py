@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import git
-import pytest
 
 ENVS = "vllm/envs.py"
 CACHE_ROOT = 'def get_default_cache_root():\n    return os.getenv(\n'
 
 
-def make_patch(e2, message: str, old: str, new: str, switch: str, path: str = ENVS) -> None:
-    e2.commit_edit(path, old, new, message)
-
-
 def two_patch_series(e2) -> None:
     e2("apply")
-    make_patch(e2, "envs: first change\n\nWhy it matters.", CACHE_ROOT,
-               CACHE_ROOT.replace("():\n", "():\n    _ = 'VLLM_E2_ONE'\n"), "VLLM_E2_ONE")
-    make_patch(e2, "config: second change", "def get_default_config_root():\n",
-               "def get_default_config_root():\n    _ = 'VLLM_E2_TWO'\n", "VLLM_E2_TWO")
+    e2.commit_edit(ENVS, CACHE_ROOT, CACHE_ROOT.replace("():\n", "():\n    _ = 'VLLM_E2_ONE'\n"),
+                   "envs: first change\n\nWhy it matters.")
+    e2.commit_edit(ENVS, "def get_default_config_root():\n",
+                   "def get_default_config_root():\n    _ = 'VLLM_E2_TWO'\n", "config: second change")
     e2("export", expect=1)  # new patches need their metadata
     e2.fill_metadata("0001", "VLLM_E2_ONE")
     e2.fill_metadata("0002", "VLLM_E2_TWO")
@@ -133,7 +128,7 @@ def test_patch_for_a_missing_file_is_named(e2, tmp_path):
     patch_file = next(e2.project.patches_dir.glob("0001-*.patch"))
     text = patch_file.read_text().replace("vllm/envs.py", "vllm/gone.py")
     # without the index line git cannot fall back to a 3-way merge on envs.py
-    patch_file.write_text("\n".join(l for l in text.split("\n") if not l.startswith("index ")))
+    patch_file.write_text("\n".join(row for row in text.split("\n") if not row.startswith("index ")))
     _, _, err = e2("apply", "--out", str(tmp_path / "w"), expect=1)
     assert "patch 0001" in err and "file vllm/gone.py: does not exist upstream" in err
 

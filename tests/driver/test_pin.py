@@ -11,6 +11,7 @@ import git
 import pytest
 import yaml
 from pydantic import ValidationError
+from test_upstream import Index, pin, small_sdist
 
 from conftest import copy_real_patches
 from e2.apply import UpstreamOptions
@@ -18,7 +19,6 @@ from e2.errors import E2Error
 from e2.rebase import resolve_target
 from e2.series import Upstream
 from e2.upstream import PINS_FILE, UpstreamCache
-from test_upstream import Index, pin, small_sdist
 
 PINNED = "dde46f1efbe846e5bd0c5c4ec6ec71842c42254c7ff3d9bebb2a57028715d380"
 

@@ -42,7 +42,7 @@ def test_dump_is_canonical_and_round_trips():
 def test_malformed_yaml_names_line_and_column():
     text = GOOD.replace("  tag: v0.31.0", "  tag: [v0.31.0")
     message = errors_of(text)
-    line = next(n for n, l in enumerate(text.splitlines(), 1) if "[v0.31.0" in l)
+    line = next(n for n, row in enumerate(text.splitlines(), 1) if "[v0.31.0" in row)
     assert message.startswith("series.yaml:")
     assert "invalid YAML" in message
     reported = int(message.split(":")[1])
@@ -105,7 +105,7 @@ def test_a_valid_patch_entry_parses():
 def test_bad_patch_fields_are_named(field, value, expected):
     text = with_patch(**{field: value})
     key = {"id": "- id:", "name": "    name:", "default": "    default:"}[field]
-    line = next(n for n, l in enumerate(text.splitlines(), 1) if l.startswith(key))
+    line = next(n for n, row in enumerate(text.splitlines(), 1) if row.startswith(key))
     message = errors_of(text)
     assert expected in message
     assert message.startswith(f"series.yaml:{line}:")

@@ -7,6 +7,7 @@ import http.server
 import io
 import json
 import multiprocessing
+import os
 import tarfile
 import threading
 from pathlib import Path
@@ -26,7 +27,7 @@ def small_sdist(version: str = "9.9.0") -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
         for name, text in {"PKG-INFO": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n",
-                           "vllm/__init__.py": "VERSION = '%s'\n" % version,
+                           "vllm/__init__.py": f"VERSION = '{version}'\n",
                            "vllm/envs.py": "X = 1\n", ".gitignore": "/vllm/envs.py\n"}.items():
             data = text.encode()
             info = tarfile.TarInfo(f"vllm-{version}/{name}")
@@ -86,11 +87,20 @@ class Index:
         self.server.shutdown()
 
 
-def test_index_url_follows_pip_configuration(monkeypatch):
+def test_index_url_follows_pip_configuration(monkeypatch, tmp_path):
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple/")
     assert index_url() == "http://127.0.0.1:9/simple"
+    # Without the variable: pip's configuration file (loaded last, so it wins)...
     monkeypatch.delenv("PIP_INDEX_URL")
-    assert index_url().startswith("http")  # pip's configured or built-in index
+    config = tmp_path / "pip.conf"
+    config.write_text("[global]\nindex-url = http://127.0.0.1:9/from-config/\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(config))
+    assert index_url() == "http://127.0.0.1:9/from-config"
+    # ...and with no configuration at all, pip's own default.
+    from pip._internal.models.index import PyPI
+
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    assert index_url() == PyPI.simple_url.rstrip("/")
 
 
 def test_the_real_index_lists_the_pinned_sdist():

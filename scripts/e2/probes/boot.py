@@ -17,9 +17,16 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from e2.errors import E2Error
+
+if TYPE_CHECKING:
+    from docker import DockerClient
+
+    from e2.probe import Settings
 
 KV_LINE = re.compile(r"(?:\w+ )?KV cache size: ([\d,]+) tokens[^\n]*")
 GIB = 1 << 30
@@ -32,7 +39,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def engine_flags(model: Path, served_as: str, settings) -> list[str]:
+def engine_flags(model: Path, served_as: str, settings: Settings) -> list[str]:
     """vllm serve flags for a config-only boot of ``model`` (seen by the engine as served_as)."""
     flags = [served_as, "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
              "--max-model-len", str(settings.max_model_len),
@@ -50,7 +57,7 @@ def engine_flags(model: Path, served_as: str, settings) -> list[str]:
     return flags
 
 
-def boot_command(python: Path, model: Path, settings) -> list[str]:
+def boot_command(python: Path, model: Path, settings: Settings) -> list[str]:
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
             *engine_flags(model, str(model), settings),
             "--host", "127.0.0.1", "--port", str(_free_port())]
@@ -64,7 +71,8 @@ def _found(text: str, started: float) -> dict | None:
             "seconds": round(time.monotonic() - started, 1)}
 
 
-def _wait_for_kv_line(read_log, exited, engine: str, model: Path, timeout_s: float) -> dict:
+def _wait_for_kv_line(read_log: Callable[[], str], exited: Callable[[], bool], engine: str,
+                      model: Path, timeout_s: float) -> dict:
     """Poll an engine's log until its KV cache size line, its exit, or the timeout."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
@@ -81,8 +89,8 @@ def _wait_for_kv_line(read_log, exited, engine: str, model: Path, timeout_s: flo
                   f"{timeout_s:.0f} s")
 
 
-def read_boot_line_docker(client, image: str, model: Path, settings, gpus: str | None,
-                          timeout_s: float = BOOT_TIMEOUT_S) -> dict:
+def read_boot_line_docker(client: DockerClient, image: str, model: Path, settings: Settings,
+                          gpus: str | None, timeout_s: float = BOOT_TIMEOUT_S) -> dict:
     """The same boot in a container of ``image`` on the engine DOCKER_HOST names.
 
     The model folder travels into the container as an archive (a remote host
@@ -121,7 +129,7 @@ def read_boot_line_docker(client, image: str, model: Path, settings, gpus: str |
         container.remove(force=True)
 
 
-def read_boot_line(python: Path, model: Path, settings, env: dict[str, str],
+def read_boot_line(python: Path, model: Path, settings: Settings, env: dict[str, str],
                    timeout_s: float = BOOT_TIMEOUT_S) -> dict:
     """Boot once; the KV line and the tokens in it, or an E2Error with the log's tail."""
     if settings.tp != 1:

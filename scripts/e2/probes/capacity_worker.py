@@ -76,7 +76,7 @@ class Job:
     max_requests: int = 0  # cap on requests per workload run (0: max_num_seqs)
 
     @classmethod
-    def from_json(cls, data: dict) -> "Job":
+    def from_json(cls, data: dict) -> Job:
         return cls(**{**data, "out": Path(data["out"]),
                       "lengths": tuple(int(n) for n in data["lengths"])})
 
@@ -143,7 +143,8 @@ def emulate_cuda(capability: str) -> Any:
     platforms.current_platform = platform
     for name, module in list(sys.modules.items()):
         if name.startswith("vllm.") and getattr(module, "current_platform", None) is previous:
-            module.current_platform = platform
+            # a vLLM module's own binding, which ModuleType does not declare
+            module.current_platform = platform  # type: ignore[attr-defined]
     # Attention backends loaded with the model ran their platform branches on the
     # CPU platform (fa_utils imports its CUDA kernels only on CUDA): run them again.
     for name in [n for n in sys.modules if n.startswith("vllm.v1.attention.backends.")]:
@@ -363,12 +364,18 @@ def build_specs(vllm_config: Any, backend: Any) -> tuple[dict[str, Any], dict[st
 def plan(vllm_config: Any, backend: Any, specs: dict[str, Any],
          budget_bytes: int) -> tuple[Any, dict]:
     """The engine core's _initialize_kv_caches steps from the specs to the boot line."""
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
     from vllm.v1.core.kv_cache_utils import (
-        _max_memory_usage_bytes_from_groups, _pool_bytes_per_block,
-        generate_scheduler_kv_cache_config, get_kv_cache_capacity, get_kv_cache_configs,
-        get_kv_cache_groups)
-    from vllm.v1.attention.backends.utils import (get_supported_kv_cache_layouts,
-                                                  resolve_kv_cache_layout)
+        _max_memory_usage_bytes_from_groups,
+        _pool_bytes_per_block,
+        generate_scheduler_kv_cache_config,
+        get_kv_cache_capacity,
+        get_kv_cache_configs,
+        get_kv_cache_groups,
+    )
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -443,8 +450,11 @@ def run_workload(vllm_config: Any, kv_cache_config: Any, length: int, count: int
 
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,
-                                             resolve_kv_cache_block_sizes)
+    from vllm.v1.core.kv_cache_utils import (
+        get_request_block_hasher,
+        init_none_hash,
+        resolve_kv_cache_block_sizes,
+    )
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request

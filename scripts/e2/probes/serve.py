@@ -49,9 +49,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from filelock import FileLock
 from rich.markup import escape
@@ -61,6 +63,10 @@ from e2 import console
 from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.series import Project, Series, series_digest
+
+if TYPE_CHECKING:
+    from docker import DockerClient
+    from docker.models.containers import Container
 
 HERE = Path(__file__).resolve().parent
 WRITER = HERE / "tiny_model.py"
@@ -223,6 +229,18 @@ class Engine(Protocol):
     def log(self) -> str: ...
 
 
+class Runner(Protocol):
+    """Where the engines run: LocalRunner (this host's venv) or DockerRunner (the images)."""
+
+    kind: str
+    on_cpu: bool
+    kv_bytes: int
+
+    def start(self, side: str, mode: str) -> AbstractContextManager[Engine]: ...
+
+    def describe(self) -> dict: ...
+
+
 class LocalEngine(Engine):
     def __init__(self, process: subprocess.Popen, port: int, log_path: Path, side: str,
                  mode: str):
@@ -304,7 +322,8 @@ def _stop_process(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)  # workers left in the group
 
 
-def _wait_healthy(engine: Engine, exited, deadline_s: float = BOOT_TIMEOUT) -> None:
+def _wait_healthy(engine: Engine, exited: Callable[[], bool],
+                  deadline_s: float = BOOT_TIMEOUT) -> None:
     started = time.monotonic()
     while time.monotonic() - started < deadline_s:
         if exited():
@@ -330,7 +349,7 @@ def _tail(text: str, lines: int = 30) -> str:
 class DockerEngine(Engine):
     PORT = 8000
 
-    def __init__(self, container, side: str, mode: str):
+    def __init__(self, container: Container, side: str, mode: str):
         self.container, self.side, self.mode = container, side, mode
         self.base = f"http://127.0.0.1:{self.PORT}"
 
@@ -364,8 +383,8 @@ class DockerRunner:
     kind = "docker"
     MOUNT = "/model"
 
-    def __init__(self, client, images: dict[str, str], gpus: str | None, tp: int, logs: Path,
-                 seed: int = SEED, kv_bytes: int = KV_CACHE_BYTES):
+    def __init__(self, client: DockerClient, images: dict[str, str], gpus: str | None, tp: int,
+                 logs: Path, seed: int = SEED, kv_bytes: int = KV_CACHE_BYTES):
         self.client, self.images, self.gpus, self.tp, self.logs = client, images, gpus, tp, logs
         self.kv_bytes = kv_bytes
         self.volume = f"e2-serve-model-{model_key(seed)}"
@@ -483,7 +502,7 @@ def metrics(engine: Engine) -> dict[str, float]:
     for name, labels, value in _METRIC.findall(text):
         if name == "vllm:cache_config_info":
             for key, label in _LABEL.findall(labels):
-                values[f"info.{key}"] = label  # type: ignore[assignment]
+                values[f"info.{key}"] = label  # the label's text, not a number
             continue
         values[name] = values.get(name, 0.0) + float(value)
     return values
@@ -512,7 +531,9 @@ def inspect_engine(engine: Engine) -> EngineInfo:
     if line is None:
         raise E2Error(f"{engine.side} engine ({engine.mode}): no 'KV cache size' line in its "
                       "log", hint="the engine's log format changed: update _KV_LINE")
-    tokens = int(_KV_TOKENS.search(line.group(1)).group(1).replace(",", ""))
+    tokens_found = _KV_TOKENS.search(line.group(1))
+    assert tokens_found is not None  # _KV_LINE's group holds "KV cache size: N tokens"
+    tokens = int(tokens_found.group(1).replace(",", ""))
     block = found.get("info.block_size")
     if block is None:
         raise E2Error(f"{engine.side} engine ({engine.mode}): no vllm:cache_config_info "
@@ -636,7 +657,8 @@ def complete(request: dict, max_tokens: int) -> bool:
 # ---------------------------------------------------------------- a side
 
 
-def run_side(runner, side: str, plan: dict[str, int], modes: tuple[str, ...] = MODES) -> dict:
+def run_side(runner: Runner, side: str, plan: dict[str, int],
+             modes: tuple[str, ...] = MODES) -> dict:
     """The modes asked for (both by default) on one side: its engines' reports and
     each case's outputs.
 
@@ -913,6 +935,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not args.docker and (args.stock_image or args.e2_image or args.gpus):
         raise E2Error("--stock-image, --e2-image and --gpus go with --docker")
     logs = project.state_dir / "logs" / "serve"
+    runner: Runner
     if args.docker:
         runner, model, name = _docker_runner(args, project, series, logs)
     else:
@@ -928,7 +951,8 @@ def run_serve(args: argparse.Namespace) -> int:
     return conclude(record, report, name)
 
 
-def _local_runner(args, project: Project, series: Series, logs: Path):
+def _local_runner(args: argparse.Namespace, project: Project, series: Series,
+                  logs: Path) -> tuple[LocalRunner, str, str]:
     from e2.testenv import prepare
 
     if args.tp != 1:
@@ -941,7 +965,8 @@ def _local_runner(args, project: Project, series: Series, logs: Path):
     return runner, str(model), "serve-cpu"
 
 
-def _docker_runner(args, project: Project, series: Series, logs: Path):
+def _docker_runner(args: argparse.Namespace, project: Project, series: Series,
+                   logs: Path) -> tuple[DockerRunner, str, str]:
     from e2.image import connect, engine_images
 
     client = connect()  # first: an unreachable DOCKER_HOST fails before anything else
@@ -959,7 +984,7 @@ def _cpu_name() -> str:
     return f"CPU: {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
-def _header(project: Project, series: Series, runner, model: str, device: str,
+def _header(project: Project, series: Series, runner: Runner, model: str, device: str,
             modes: tuple[str, ...], seconds: float) -> dict:
     detail = runner.describe()
     return {"upstream_version": series.upstream.version, "upstream_tag": series.upstream.tag,

@@ -13,6 +13,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+from collections.abc import Sequence
 
 __version__ = "0+e2probe.stub"
 
@@ -21,12 +22,12 @@ class _Placeholder:
     def __init__(self, name: str):
         self._name = name
 
-    def __getattr__(self, item: str) -> "_Placeholder":
+    def __getattr__(self, item: str) -> _Placeholder:
         if item.startswith("__"):
             raise AttributeError(item)
         return _Placeholder(f"{self._name}.{item}")
 
-    def __call__(self, *args: object, **kwargs: object) -> "_Placeholder":
+    def __call__(self, *args: object, **kwargs: object) -> _Placeholder:
         return _Placeholder(f"{self._name}()")
 
     def __mro_entries__(self, bases: tuple) -> tuple:
@@ -44,15 +45,16 @@ class _StubModule(types.ModuleType):
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname.startswith(__name__ + "."):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
-    def create_module(self, spec):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         return _StubModule(spec.name)
 
-    def exec_module(self, module):
+    def exec_module(self, module: types.ModuleType) -> None:
         module.__path__ = []
 
 
