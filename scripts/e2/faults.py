@@ -13,4 +13,9 @@ import signal
 
 def checkpoint(name: str) -> None:
     if os.environ.get("E2_FAULT_AT") == name:
-        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("E2_FAULT_SIGNAL", "KILL")))
+        signum = getattr(signal, "SIG" + os.environ.get("E2_FAULT_SIGNAL", "KILL"))
+        if signum == signal.SIGINT:
+            # As a terminal's Ctrl-C reaches a foreground command: a process
+            # started in the background of a script inherits SIGINT ignored.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.kill(os.getpid(), signum)
