@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -305,40 +306,48 @@ def print_soak(soak: Soak, results: dict[str, dict]) -> bool:
     print(f"soak, {soak.requests} requests (seed {soak.workload.seed}), {soak.model}, "
           f"{soak.budget_gib:g} GiB ({results['stock']['planner']['num_blocks']} pages), "
           f"mamba cache {soak.mamba_cache_mode} + prefix caching")
-    problems = []
-    for side in SIDES:
-        r = results[side]
+
+    def lines(side: str, r: dict) -> list[str]:
         slab = r["audit"].get("slab")
         held = (f", slab pages held at the end {slab['held_pages']} (all idle, reclaimed)"
                 if slab and r["audit"]["clean"] else "")
-        print(f"  {side:5}  {r['finished']}/{r['requests']} finished ({r['aborted']} aborted), "
-              f"{r['steps']} steps, {r['preemptions']} preemptions, {r['seconds']:.0f} s "
-              f"({r['cpu_seconds']:.0f} s CPU); leaked blocks {r['audit']['leaked_blocks']}{held}")
-        print(f"         prefix-hit tokens: {r['prefix_hit_tokens']:,} of "
-              f"{r['prompt_tokens']:,} prompt tokens on admission, {r['resume_hit_tokens']:,} "
-              f"more on resuming preempted requests")
-        problems += soak_problems(side, r)
-    for problem in problems:
-        print(f"  LEAK {problem}")
-    return not problems
+        return [f"  {side:5}  {r['finished']}/{r['requests']} finished ({r['aborted']} aborted), "
+                f"{r['steps']} steps, {r['preemptions']} preemptions, {r['seconds']:.0f} s "
+                f"({r['cpu_seconds']:.0f} s CPU); leaked blocks "
+                f"{r['audit']['leaked_blocks']}{held}",
+                f"         prefix-hit tokens: {r['prefix_hit_tokens']:,} of "
+                f"{r['prompt_tokens']:,} prompt tokens on admission, "
+                f"{r['resume_hit_tokens']:,} more on resuming preempted requests"]
+
+    return print_sides(results, lines, soak_problems, "LEAK")
 
 
 def print_faults(soak: Soak, results: dict[str, dict]) -> bool:
     print(f"faults, the soak's first {soak.requests} requests twice: as is, then with "
           f"allocations refused after prefix hits and at state block boundaries")
+
+    def lines(side: str, r: dict) -> list[str]:
+        as_is, faults = r["runs"]["as_is"], r["runs"]["faults"]
+        same = (f"{r['output_tokens']} output tokens the same" if not r["num_differing"]
+                else f"{r['num_differing']} requests differ")
+        return [f"  {side:5}  refused {r['refusals']['after_prefix_hit']} after a prefix hit, "
+                f"{r['refusals']['at_state_boundary']} at a {r['state_block_size']}-token state "
+                f"block boundary; preemptions {as_is['preemptions']} -> "
+                f"{faults['preemptions']}; {faults['finished']}/{faults['requests']} "
+                f"finished, {same}"]
+
+    return print_sides(results, lines, fault_problems, "FAULT")
+
+
+def print_sides(results: dict[str, dict], lines: Callable[[str, dict], list[str]],
+                problems_of: Callable[[str, dict], list[str]], label: str) -> bool:
+    """Each side's lines, then every problem under ``label``; True when none."""
     problems = []
     for side in SIDES:
-        r = results[side]
-        as_is, faults = r["runs"]["as_is"], r["runs"]["faults"]
-        print(f"  {side:5}  refused {r['refusals']['after_prefix_hit']} after a prefix hit, "
-              f"{r['refusals']['at_state_boundary']} at a {r['state_block_size']}-token state "
-              f"block boundary; preemptions {as_is['preemptions']} -> {faults['preemptions']}; "
-              f"{faults['finished']}/{faults['requests']} finished, "
-              f"{r['output_tokens'] if not r['num_differing'] else r['num_differing']} "
-              f"{'output tokens the same' if not r['num_differing'] else 'requests differ'}")
-        problems += fault_problems(side, r)
+        print("\n".join(lines(side, results[side])))
+        problems += problems_of(side, results[side])
     for problem in problems:
-        print(f"  FAULT {problem}")
+        print(f"  {label} {problem}")
     return not problems
 
 
