@@ -300,17 +300,15 @@ def reserve_running_requests(
 
 def _reserve(coordinator: KVCacheCoordinator, running: Iterable[Request]) -> tuple[int, int]:
     """Slab blocks and boundary state pages ``running`` may still take. The
-    scheduler runs it over the whole batch once a step, so decode_headroom is
-    inlined and the groups are sorted out once."""
+    scheduler runs it over the whole batch once a step, so the groups are
+    sorted out once."""
     slab_blocks = [(m.req_to_blocks, m.block_size) for m in _slab_managers(coordinator)]
     align_blocks = _align_block_sizes(coordinator)
     max_model_len = coordinator.max_model_len
     blocks = pages = 0
     for request in running:
-        num_tokens = request.num_tokens
-        headroom = min(request.max_tokens - request.num_output_tokens, DECODE_HEADROOM_TOKENS)
-        headroom = max(headroom, 0)
-        horizon = min(num_tokens + headroom, max_model_len)
+        headroom = decode_headroom(request)
+        horizon = min(request.num_tokens + headroom, max_model_len)
         request_id = request.request_id
         for req_to_blocks, block_size in slab_blocks:
             need = cdiv(horizon, block_size) - len(req_to_blocks.get(request_id, ()))
@@ -575,9 +573,8 @@ class PagePool(BlockPool):
 
     def get_num_free_blocks(self, with_slab: bool = True) -> int:
         free = self.free_block_queue.num_free_blocks
-        if with_slab:  # asked a few times per request a step: no property chain
-            slab_queue = self.slab.free_block_queue
-            free += len(slab_queue.pages_with_free[slab_queue.blocks_per_page])
+        if with_slab:
+            free += self.slab.num_idle_pages
         return free
 
     def get_new_blocks(
