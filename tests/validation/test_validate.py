@@ -23,9 +23,13 @@ def breaking_patch(e2) -> None:
 
 @pytest.mark.slow
 def test_seam_real_series(real_project, tmp_path):
-    _, out, _ = real_project("test", "seam", "--report", str(tmp_path))
+    _, out, _ = real_project("test", "seam", "--jobs", "2", "--report", str(tmp_path))
     assert "0001" in out and "0002" in out and "passed" in out
     data = results(tmp_path, "seam")
+    # --jobs 2: the six runs go two at a time, so some run started before another ended
+    runs = sorted((c["started"], c["started"] + c["seconds"])
+                  for p in data["patches"] for c in p["checks"])
+    assert len(runs) == 6 and any(b[0] < a[1] for a, b in zip(runs, runs[1:]))
     assert data["upstream_version"] == "0.31.0" and len(data["series_digest"]) == 64
     patches = {p["id"]: p for p in data["patches"]}
     assert list(patches) == ["0001", "0002"]
@@ -97,18 +101,27 @@ def test_upstream_reports_a_broken_block_pool_as_regression(real_project, tmp_pa
 
 @pytest.mark.slow
 def test_upstream_clean_series_has_no_regression(real_project, tmp_path):
+    """--also-switches-off: E2 as shipped and E2 with every switch at 0, both against one
+    stock run, all three at once with --parallel, each written as its own report."""
     real_project("test", "upstream", "--suite", FREES_ALL, "--suite", SHM_TEST,
-                 "--switches-off", "--parallel", "--report", str(tmp_path))
-    data = results(tmp_path, "upstream")
-    stock, e2 = data["runs"]["stock"], data["runs"]["e2"]
-    # --parallel: each side started before the other ended
-    assert e2["started"] < stock["started"] + stock["seconds"]
-    assert stock["started"] < e2["started"] + e2["seconds"]
-    assert data["e2_switches"] == {"VLLM_E2_REPORT": "0", "VLLM_E2_STATE_POOL": "0"}
-    assert not data["regressions"] and not data["verdicts"]
-    assert data["runs"]["stock"]["outcomes"] == data["runs"]["e2"]["outcomes"] == {
+                 "--also-switches-off", "--parallel", "--report", str(tmp_path))
+    shipped, off = results(tmp_path, "upstream"), results(tmp_path, "upstream-switches-off")
+    assert shipped["runs"]["stock"] == off["runs"]["stock"]
+    stock, e2, e2_off = shipped["runs"]["stock"], shipped["runs"]["e2"], off["runs"]["e2"]
+    assert e2 != e2_off
+    # --parallel: each run started before the others ended
+    for a, b in [(stock, e2), (stock, e2_off), (e2, e2_off)]:
+        assert a["started"] < b["started"] + b["seconds"]
+        assert b["started"] < a["started"] + a["seconds"]
+    assert shipped["e2_switches"] == {}
+    assert off["e2_switches"] == {"VLLM_E2_REPORT": "0", "VLLM_E2_STATE_POOL": "0"}
+    for data in (shipped, off):
+        assert not data["regressions"] and not data["verdicts"]
+        assert "stock_again" not in data["runs"]
+    assert stock["outcomes"] == e2["outcomes"] == e2_off["outcomes"] == {
         FREES_ALL: "passed", SHM_TEST: "passed"}
-    assert "stock_again" not in data["runs"]
+    assert "- E2 switches: VLLM_E2_REPORT=0, VLLM_E2_STATE_POOL=0" in (
+        tmp_path / "upstream-switches-off.md").read_text()
 
 
 @pytest.mark.slow
