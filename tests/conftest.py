@@ -1,13 +1,18 @@
 """Fixtures for the driver tests: a scratch project on the real vLLM sdist.
 
-The pinned sdist is downloaded once into the XDG cache (the same one `e2` uses,
-so CI machines keep it between runs) and imported into the upstream cache repo;
-every test then gets its own project directory and worktrees under tmp_path.
+The tests have a cache of their own (the ``cache`` fixture), never the user's:
+``$E2_TEST_CACHE`` when set (the Makefile's test targets keep it beside the
+user's cache, so the pinned sdists and test venvs survive between runs), else a
+folder under pytest's basetemp. The pinned sdist is downloaded once into it and
+imported into its upstream repo; every test then gets its own project
+directory and worktrees under tmp_path.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import git
@@ -15,25 +20,65 @@ import pytest
 import yaml
 
 from e2 import cli
+from e2.cache import Cache
 from e2.series import Project, dump_series, load_series
 from e2.upstream import UpstreamCache
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 AUTHOR = {"user.name": "E2 Tester", "user.email": "tester@vllm-e2.invalid"}
+TEST_CACHE_ENV = "E2_TEST_CACHE"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_user_cache() -> Iterator[None]:
+    """An in-process e2 that would fall back to the user's cache fails the test instead:
+    every call names the test cache (--cache)."""
+    def refuse() -> Path:
+        raise AssertionError("a test reached for the user's cache: pass --cache with the "
+                             "`cache` fixture's root")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Cache, "default_root", staticmethod(refuse))
+        yield
+
+
+def state_listing(root: Path) -> dict[str, int]:
+    """Every folder under ``root`` with its mtime: an entry made or removed in one shows."""
+    if not root.is_dir():
+        return {}
+    return {str(p): p.stat().st_mtime_ns for p in [root, *root.rglob("*")]
+            if p.is_dir() and not p.is_symlink()}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkout_untouched() -> Iterator[None]:
+    """No test writes into this checkout's .e2/ (results, logs, scratch): each gives e2 a
+    project of its own under tmp_path, or --report/--results there."""
+    before = state_listing(REPO_ROOT / ".e2")
+    yield
+    assert state_listing(REPO_ROOT / ".e2") == before, f"a test wrote under {REPO_ROOT}/.e2"
 
 
 @pytest.fixture(scope="session")
-def upstream_cache() -> UpstreamCache:
-    cache = UpstreamCache()
-    cache.ensure(load_series(REPO_ROOT / "series.yaml").upstream)
-    return cache
+def cache(tmp_path_factory) -> Cache:
+    """The tests' own cache: $E2_TEST_CACHE, else a folder under pytest's basetemp."""
+    root = os.environ.get(TEST_CACHE_ENV)
+    return Cache(Path(root) if root else tmp_path_factory.getbasetemp() / "e2-cache")
+
+
+@pytest.fixture(scope="session")
+def upstream_cache(cache: Cache) -> UpstreamCache:
+    upstream = UpstreamCache(cache)
+    upstream.ensure(load_series(REPO_ROOT / "series.yaml").upstream)
+    return upstream
 
 
 class E2:
     """Runs `e2` in-process against one scratch project, capturing its output."""
 
-    def __init__(self, root: Path, cache: UpstreamCache, capsys):
-        self.root, self.cache, self.capsys = root, cache, capsys
+    def __init__(self, root: Path, upstream_cache: UpstreamCache, capsys):
+        self.root, self.upstream_cache, self.capsys = root, upstream_cache, capsys
+        self.cache = upstream_cache.cache
         self.project = Project(root)
 
     def __call__(self, *args: str, expect: int | None = 0) -> tuple[int, str, str]:
@@ -92,6 +137,19 @@ def e2(tmp_path: Path, upstream_cache: UpstreamCache, capsys) -> E2:
     (root / "series.yaml").write_text(series)
     (root / "patches").mkdir()
     return E2(root, upstream_cache, capsys)
+
+
+def copy_checkout(dest: Path) -> Path:
+    """This checkout's series, overlay and image files in ``dest``: a project for verbs
+    that write under the project's .e2/ (logs, scratch), which must not be the checkout's."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("series.yaml", "patches", "overlay", "images", "Dockerfile"):
+        source = REPO_ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, dest / name)
+        else:
+            shutil.copy2(source, dest / name)
+    return dest
 
 
 def copy_real_patches(e2: E2, through: str | None = None) -> None:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2.upstream import UpstreamCache  # noqa: E402
+from e2.cache import Cache  # noqa: E402
 from series20 import build  # noqa: E402
 
 APPLY_TARGET = 1.2
@@ -43,7 +43,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="e2-bench-") as tmp:
         root = build(Path(tmp) / "project")
         patches = sorted(str(p) for p in (root / "patches").glob("*.patch"))
-        cache = UpstreamCache().repo_dir
+        cache = Cache.at(None).upstream_repo  # where `e2 apply` imported upstream
         e2_times, git_times = [], []
         for round_ in range(args.repeat):
             out = Path(tmp) / f"e2-{round_}"

@@ -38,10 +38,10 @@ from typing import IO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2 import testenv  # noqa: E402
+from e2.cache import Cache  # noqa: E402
 from e2.errors import E2Error  # noqa: E402
 from e2.probe import ZOO, Runtime  # noqa: E402
 from e2.series import Project  # noqa: E402
-from e2.upstream import default_cache_dir  # noqa: E402
 from scheduler_workload import WorkloadSpec, step_ratio  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "scheduler_worker.py"
@@ -128,10 +128,10 @@ class Worker:
         self.results.close()
 
 
-def make_runtime() -> Runtime:
+def make_runtime(cache: Cache) -> Runtime:
     """The CPU test env and its e2 view, made or reused exactly as `e2 env --overlay`."""
     project = Project.find(Path(__file__).resolve().parent)
-    env, view = testenv.prepare(project, project.load(), default_cache_dir(), "cpu",
+    env, view = testenv.prepare(project, project.load(), cache, "cpu",
                                 overlay=True)
     assert view is not None
     probe = subprocess.run([str(env.python), "-c", "import importlib.util as u; "
@@ -364,6 +364,9 @@ def main() -> int:
     parser.add_argument("--control", action="store_true",
                         help="run the E2 side with VLLM_E2_STATE_POOL=0: the ratio then "
                              "measures the benchmark's own error (expect 1.00)")
+    parser.add_argument("--cache", type=Path, metavar="DIR",
+                        help="e2's cache directory, where the test env is (default "
+                             "$XDG_CACHE_HOME/vllm-e2)")
     args = parser.parse_args()
     if min(args.rounds, args.steps, args.soak_requests, args.fault_requests) < 1 \
             or args.warmup < 0:
@@ -372,7 +375,7 @@ def main() -> int:
     soak = Soak(requests=args.soak_requests,
                 workload=WorkloadSpec(**{**asdict(Soak().workload), "seed": args.seed}))
     try:
-        runtime = make_runtime()
+        runtime = make_runtime(Cache.at(args.cache))
         if args.control:
             runtime = SwitchedOff(**asdict(runtime))
             print("control: the e2 side runs with VLLM_E2_STATE_POOL=0")

@@ -9,7 +9,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import git
 
@@ -33,6 +33,9 @@ from e2.gitops import (
 )
 from e2.series import Patch, Project, Series
 from e2.upstream import UpstreamCache
+
+if TYPE_CHECKING:
+    from e2.cli import GlobalOptions
 
 Status = Literal["clean", "offset", "merged"]
 
@@ -336,12 +339,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    project: Project = args.project
+def run(options: GlobalOptions, args: argparse.Namespace) -> int:
+    project = options.project
     series = project.load()
     dest = (args.out or project.default_worktree).absolute()
     with project.changing():
-        tree = apply_series(project, series, dest, args.upstream, through=args.through,
+        tree = apply_series(project, series, dest, options.upstream, through=args.through,
                             exact=args.exact, replace=args.force)
     for result in tree.results:
         style = {"clean": "green", "offset": "yellow", "merged": "yellow"}[result.status]

@@ -16,8 +16,6 @@ import traceback
 from importlib import metadata
 from pathlib import Path
 
-CRASH_LOG = "crash.log"
-
 
 def _version() -> str:
     try:
@@ -33,8 +31,9 @@ def os_error_message(exc: OSError) -> str:
     return f"{where}: {exc.strerror or exc}"
 
 
-def write_crash_log(exc: BaseException, argv: list[str], log_dir: Path) -> Path | None:
-    """Append the report to ``log_dir/crash.log``; None when even that cannot be written."""
+def write_crash_log(exc: BaseException, argv: list[str], log: Path) -> Path | None:
+    """Append the report to ``log`` (the cache's crash log), else to a file of that name
+    in the temporary folder; None when even that cannot be written."""
     report = "\n".join([
         f"### {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"e2 version: {_version()}",
@@ -45,10 +44,9 @@ def write_crash_log(exc: BaseException, argv: list[str], log_dir: Path) -> Path 
         "",
         "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
     ])
-    for folder in (log_dir, Path(os.environ.get("TMPDIR", "/tmp"))):
+    for path in (log, Path(os.environ.get("TMPDIR", "/tmp")) / log.name):
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / CRASH_LOG
+            path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a", encoding="utf-8") as handle:
                 handle.write(report + "\n")
             return path

@@ -1,7 +1,7 @@
 """The project's private Docker daemon, started when no engine answers.
 
 ci/dockerd.sh owns the daemon (its socket, data root and pid under
-$E2_DOCKERD_DIR, default $XDG_CACHE_HOME/vllm-e2/dockerd); this module only
+$E2_DOCKERD_DIR, which e2 sets to the cache's dockerd/); this module only
 decides whether to start it for a command that needs an engine and what to
 tell the user, so that a fresh machine needs no step of its own before
 ``make image``.
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from e2 import console
+from e2.cache import DOCKERD_DIR_ENV
 from e2.errors import E2Error
 
 SCRIPT = "ci/dockerd.sh"
@@ -47,16 +48,17 @@ def why_not_startable(root: Path) -> str | None:
     return None
 
 
-def _script_command(root: Path, verb: str) -> str:
+def _script_command(root: Path, verb: str, state: Path) -> str:
     script = SCRIPT if Path.cwd().resolve() == root.resolve() else str(root / SCRIPT)
-    prefix = f"E2_DOCKERD_DIR={shlex.quote(os.environ['E2_DOCKERD_DIR'])} " \
-        if os.environ.get("E2_DOCKERD_DIR") else ""
-    return f"{prefix}sh {shlex.quote(script)} {verb}"
+    # named in full: the script's own default is right only for the default cache
+    return f"{DOCKERD_DIR_ENV}={shlex.quote(str(state))} sh {shlex.quote(script)} {verb}"
 
 
-def start(root: Path) -> PrivateDaemon:
-    """Start (or find running) the private daemon; DOCKER_HOST is set for this process."""
-    result = subprocess.run(["sh", str(root / SCRIPT), "start"], capture_output=True, text=True)
+def start(root: Path, state: Path) -> PrivateDaemon:
+    """Start (or find running) the private daemon whose state is in ``state`` (the
+    cache's ``dockerd``); DOCKER_HOST is set for this process."""
+    result = subprocess.run(["sh", str(root / SCRIPT), "start"], capture_output=True, text=True,
+                            env={**os.environ, DOCKERD_DIR_ENV: str(state)})
     line = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     if result.returncode != 0 or not line.startswith("export DOCKER_HOST="):
         raise E2Error(f"no Docker daemon reachable, and {SCRIPT} start failed: "
@@ -65,7 +67,7 @@ def start(root: Path) -> PrivateDaemon:
     host = line.split("=", 1)[1]
     os.environ["DOCKER_HOST"] = host
     daemon = PrivateDaemon(host, started=bool(result.stderr.strip()),
-                           stop_command=_script_command(root, "stop"))
+                           stop_command=_script_command(root, "stop", state))
     verb = "started the project's private Docker daemon" if daemon.started \
         else "using the project's private Docker daemon"
     console.info(f"no Docker engine at the default socket: {verb} at {host}; it keeps running "

@@ -13,6 +13,7 @@ import argparse
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import git
 
@@ -29,6 +30,9 @@ from e2.gitops import (
     worktree_base,
 )
 from e2.series import Patch, Project, Series, render_series, slugify
+
+if TYPE_CHECKING:
+    from e2.cli import GlobalOptions
 
 
 @dataclass
@@ -155,8 +159,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    project: Project = args.project
+def run(options: GlobalOptions, args: argparse.Namespace) -> int:
+    project = options.project
     series = project.load()
     source = (args.source or project.default_worktree).absolute()
     with project.changing():

@@ -37,6 +37,8 @@ from e2.series import Project, Series, series_digest, write_image_digest
 if TYPE_CHECKING:
     from docker import DockerClient
 
+    from e2.cli import GlobalOptions
+
 TEMPLATE = "images/engine/Dockerfile.j2"
 DOCKERFILE = "Dockerfile"
 IMAGE_REPO = "vllm-e2"
@@ -205,10 +207,11 @@ def connect(context: Path | None = None, timeout: int = 900) -> DockerClient:
     return client
 
 
-def connect_or_start(project: Project, context: Path | None = None
+def connect_or_start(project: Project, dockerd_state: Path, context: Path | None = None
                      ) -> tuple[DockerClient, dockerd.PrivateDaemon | None]:
     """connect(), but with no DOCKER_HOST and nothing at the default socket, start the
-    project's private daemon (root, dockerd installed); the client and that daemon."""
+    project's private daemon (root, dockerd installed; its state in ``dockerd_state``);
+    the client and that daemon."""
     import docker
 
     if dockerd.why_not_startable(project.root) is None:
@@ -217,7 +220,7 @@ def connect_or_start(project: Project, context: Path | None = None
             client.ping()
             return client, None
         except docker.errors.DockerException:
-            daemon = dockerd.start(project.root)
+            daemon = dockerd.start(project.root, dockerd_state)
             return connect(context), daemon
     return connect(context), None
 
@@ -306,7 +309,7 @@ def resolve_base(client: DockerClient, ref: str, series: Series) -> Base:
 
 
 def fall_back_to_cpu_base(client: DockerClient, series: Series,
-                          unavailable: BaseUnavailable) -> Base:
+                          unavailable: BaseUnavailable, workdir: Path) -> Base:
     """The pinned base is out of reach: the CPU base of the same release, made once."""
     from e2.imagebase import build_cpu_base
 
@@ -316,7 +319,7 @@ def fall_back_to_cpu_base(client: DockerClient, series: Series,
                  f"on the CPU only); the image is tagged -cpu and labelled "
                  f"{LABEL_BASE_KIND}={KIND_CPU}, it is not the GPU image. "
                  f"--no-fallback (make image STRICT=1) refuses instead")
-    build_cpu_base(series, cpu_ref, None, False, client=client)
+    build_cpu_base(series, cpu_ref, workdir, False, client=client)
     return resolve_base(client, cpu_ref, series)
 
 
@@ -424,13 +427,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     base.add_argument("--tag", metavar="TAG",
                       help=f"image tag (default {LOCAL_BASE_REPO}:<version>)")
     base.add_argument("--workdir", type=Path, metavar="DIR",
-                      help="scratch and wheel cache (default $XDG_CACHE_HOME/vllm-e2/base-cpu)")
+                      help="scratch and wheel cache (default base-cpu/ in the cache)")
     base.add_argument("--force", action="store_true", help="rebuild even if the tag exists")
     base.set_defaults(run=run_base)
 
 
-def run_render(args: argparse.Namespace) -> int:
-    project: Project = args.project
+def run_render(options: GlobalOptions, args: argparse.Namespace) -> int:
+    project = options.project
     series = project.load()
     text = render_dockerfile(project, series, synced_manifest(project, series))
     path = project.root / DOCKERFILE
@@ -442,8 +445,8 @@ def run_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_build(args: argparse.Namespace) -> int:
-    project: Project = args.project
+def run_build(options: GlobalOptions, args: argparse.Namespace) -> int:
+    project = options.project
     series = project.load()
     manifest = synced_manifest(project, series)
     ref = args.base or pinned_base(series)
@@ -454,7 +457,7 @@ def run_build(args: argparse.Namespace) -> int:
     # The context is written before any daemon is contacted, so it is ready
     # for another builder even when no daemon is reachable.
     context = prepare_context(project, series, manifest, series.image.site_packages)
-    client, daemon = connect_or_start(project, context)
+    client, daemon = connect_or_start(project, options.cache.dockerd, context)
     try:
         base = resolve_base(client, ref, series)
     except BaseUnavailable as unavailable:
@@ -463,7 +466,7 @@ def run_build(args: argparse.Namespace) -> int:
         if args.no_fallback:  # one line: the GPU host's job reads it
             raise E2Error(f"cannot pull the base {ref} ({unavailable.reason}); --no-fallback: "
                           "not building on the CPU base") from None
-        base = fall_back_to_cpu_base(client, series, unavailable)
+        base = fall_back_to_cpu_base(client, series, unavailable, options.cache.base_cpu)
     ref = base.ref
     tag = args.tag or default_tag(series, manifest["series_digest"], base.kind)
     if base.site_packages != series.image.site_packages:
@@ -482,14 +485,14 @@ def run_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_pin(args: argparse.Namespace) -> int:
+def run_pin(options: GlobalOptions, args: argparse.Namespace) -> int:
     """image.digest <- the digest the registry gives for image.base; Dockerfile re-rendered."""
     import docker
 
-    project: Project = args.project
+    project = options.project
     series = project.load()
     ref = series.image.base
-    client, _ = connect_or_start(project)
+    client, _ = connect_or_start(project, options.cache.dockerd)
     try:
         with console.status(f"asking the registry for {ref}"):
             digest = client.images.get_registry_data(ref).id
@@ -519,12 +522,13 @@ def pin_base(project: Project, digest: str) -> None:
         raise
 
 
-def run_base(args: argparse.Namespace) -> int:
+def run_base(options: GlobalOptions, args: argparse.Namespace) -> int:
     from e2.imagebase import build_cpu_base
 
-    project: Project = args.project
+    project = options.project
     series = project.load()
     tag = args.tag or cpu_base_ref(series)
-    client, _ = connect_or_start(project)
-    build_cpu_base(series, tag, args.workdir, args.force, client=client)
+    client, _ = connect_or_start(project, options.cache.dockerd)
+    build_cpu_base(series, tag, args.workdir or options.cache.base_cpu, args.force,
+                   client=client)
     return 0

@@ -32,7 +32,6 @@ from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.image import LABEL_SITE_PACKAGES, LABEL_VLLM_VERSION, connect
 from e2.series import Series
-from e2.upstream import default_cache_dir
 
 if TYPE_CHECKING:
     from docker import DockerClient
@@ -184,9 +183,10 @@ def _import(client: DockerClient, tar: Path, tag: str, version: str, recipe: str
     console.info(f"docker import {tag}: {time.monotonic() - started:.0f} s")
 
 
-def build_cpu_base(series: Series, tag: str, workdir: Path | None, force: bool,
+def build_cpu_base(series: Series, tag: str, work: Path, force: bool,
                    client: DockerClient | None = None) -> str:
-    """Build (or reuse, or import from the cached tar) the CPU base ``tag``; its image id."""
+    """Build (or reuse, or import from the cached tar) the CPU base ``tag`` in the work
+    dir ``work`` (the cache's base-cpu/ unless --workdir); its image id."""
     version = series.upstream.version
     recipe = recipe_id(version)
     client = client or connect()
@@ -194,7 +194,6 @@ def build_cpu_base(series: Series, tag: str, workdir: Path | None, force: bool,
         console.out.print(f"{tag} is up to date ({image.id[:19]}, recipe {recipe})",
                           markup=False)
         return image.id
-    work = workdir or default_cache_dir() / "base-cpu"
     work.mkdir(parents=True, exist_ok=True)
     # One builder at a time per cache: the rootfs, its tar and the wheelhouse are shared.
     with FileLock(str(work / "build.lock")):

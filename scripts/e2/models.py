@@ -30,15 +30,19 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import git
 import yaml
-from filelock import FileLock
 
 from e2 import console
+from e2.cache import Cache
 from e2.errors import E2Error
 from e2.fsio import write_atomic
-from e2.series import Project, Series
+from e2.series import Series
+
+if TYPE_CHECKING:
+    from e2.cli import GlobalOptions
 
 HUB = Path(__file__).resolve().parent / "hub"
 IDS_FILE = HUB / "ids.yaml"
@@ -193,14 +197,14 @@ def _check_model(folder: Path, model_id: str) -> None:
             raise E2Error(f"{path}: {model_id} has neither `architectures` nor `model_type`")
 
 
-def build_store(root: Path, python: Path) -> Path:
+def build_store(cache: Cache, python: Path) -> Path:
     """The HF_HUB_CACHE for every model under hub/models (made once per content)."""
     inputs = _inputs()
-    store = root / "hub-stores" / store_key(inputs)
+    store = cache.hub_stores / store_key(inputs)
     if (store / DONE).is_file():
         return store
     store.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(store) + ".lock"):
+    with Cache.lock(store):
         if (store / DONE).is_file():
             return store
         staging = store.with_name(store.name + ".new")
@@ -252,7 +256,7 @@ def _prune(stores: Path, keep: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def prepare_store(series: Series, cache_root: Path, python: Path) -> Path:
+def prepare_store(series: Series, cache: Cache, python: Path) -> Path:
     """The store for a run. A stale or incomplete ids file only warns: the tests that
     miss a model then fail as hub-data on both sides, each named in the report."""
     ids = IdsFile.load()
@@ -264,7 +268,7 @@ def prepare_store(series: Series, cache_root: Path, python: Path) -> Path:
         console.warn(f"{IDS_FILE}: no model folder for {', '.join(missing)} "
                      f"(write its config.json under {MODELS}/<org>/<name>/)")
     with console.status("writing the offline model store"):
-        return build_store(cache_root, python)
+        return build_store(cache, python)
 
 
 # ---------------------------------------------------------------- command
@@ -285,14 +289,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     store_verb.set_defaults(run=run_store)
 
 
-def run_scan(args: argparse.Namespace) -> int:
+def run_scan(options: GlobalOptions, args: argparse.Namespace) -> int:
     from e2.validate import DEFAULT_SUITES  # validate uses this module; import late
 
-    project: Project = args.project
-    series = project.load()
-    commit = args.upstream.ensure(series)
+    series = options.project.load()
+    commit = options.upstream.ensure(series)
     previous = IdsFile.load() if IDS_FILE.is_file() else None
-    ids = scan(git.Repo(args.upstream.cache.repo_dir), commit, series.upstream.version,
+    ids = scan(git.Repo(options.cache.upstream_repo), commit, series.upstream.version,
                args.suite or list(DEFAULT_SUITES), previous)
     write_atomic(IDS_FILE, ids.dump())
     console.info(f"{IDS_FILE}: {len(ids.models)} model ids, {len(ids.not_models)} not models")
@@ -303,12 +306,12 @@ def run_scan(args: argparse.Namespace) -> int:
     return 1 if missing else 0
 
 
-def run_store(args: argparse.Namespace) -> int:
+def run_store(options: GlobalOptions, args: argparse.Namespace) -> int:
     from e2.testenv import prepare
 
-    project: Project = args.project
+    project = options.project
     series = project.load()
-    env, _ = prepare(project, series, args.upstream.cache.root, "cpu", overlay=False)
-    store = prepare_store(series, args.upstream.cache.root, env.python)
+    env, _ = prepare(project, series, options.cache, "cpu", overlay=False)
+    store = prepare_store(series, options.cache, env.python)
     console.out.print(f"HF_HUB_CACHE={store}", markup=False)
     return 0

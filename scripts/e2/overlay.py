@@ -16,6 +16,7 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import git
 
@@ -26,6 +27,9 @@ from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.fsio import read_tree, recover_dir, refuse_link, replace_dir
 from e2.series import Project, Series, series_digest
+
+if TYPE_CHECKING:
+    from e2.cli import GlobalOptions
 
 PACKAGE = "vllm"
 MANIFEST = "MANIFEST.json"
@@ -267,11 +271,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    project: Project = args.project
+def run(options: GlobalOptions, args: argparse.Namespace) -> int:
+    project = options.project
     series = project.load()
     with project.changing():
-        return _run_locked(project, series, args.upstream)
+        return _run_locked(project, series, options.upstream)
 
 
 def _run_locked(project: Project, series: Series, upstream: UpstreamOptions) -> int:

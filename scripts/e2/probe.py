@@ -27,16 +27,20 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import git
-from filelock import FileLock
 from rich.table import Table
 
 from e2 import console
+from e2.cache import Cache
 from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.probes.serve import add_engine_image_arguments, add_serve_arguments
-from e2.series import series_digest
+from e2.series import Project, series_digest
+
+if TYPE_CHECKING:
+    from e2.cli import GlobalOptions
 
 PROBES = Path(__file__).resolve().parent / "probes"
 WORKER = PROBES / "capacity_worker.py"
@@ -122,11 +126,11 @@ def model_max_len(model: Path) -> int:
 # ---------------------------------------------------------------- runtime
 
 
-def image_requirements(args: argparse.Namespace) -> list[str]:
+def image_requirements(options: GlobalOptions) -> list[str]:
     """The pins of IMAGE_PACKAGES in the pinned release's requirements/cuda.txt."""
-    series = args.project.load()
-    commit = args.upstream.ensure(series)
-    text = git.Repo(args.upstream.cache.repo_dir).git.show(f"{commit}:requirements/cuda.txt")
+    series = options.project.load()
+    commit = options.upstream.ensure(series)
+    text = git.Repo(options.cache.upstream_repo).git.show(f"{commit}:requirements/cuda.txt")
     pins = {}
     for line in text.splitlines():
         name, _, version = line.split("#")[0].strip().partition("==")
@@ -140,15 +144,15 @@ def image_requirements(args: argparse.Namespace) -> list[str]:
     return [pins[name] for name in IMAGE_PACKAGES] + list(IMAGE_PACKAGES_UNPINNED)
 
 
-def ensure_image_packages(args: argparse.Namespace, python: Path) -> Path:
+def ensure_image_packages(options: GlobalOptions, python: Path) -> Path:
     """A folder (made once, shared, locked) with the engine image's packages that
     vLLM's attention backend selection imports; --no-deps: only their import is used."""
-    wanted = image_requirements(args)
+    wanted = image_requirements(options)
     key = hashlib.sha256(json.dumps([str(python), wanted]).encode()).hexdigest()[:16]
-    root = args.upstream.cache.root / "probe-packages"
+    root = options.cache.probe_packages
     folder = root / key
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f"{key}.lock")):
+    with Cache.lock(folder):
         if (folder / "e2-packages.json").is_file():
             return folder
         staging = root / f".{key}.new"
@@ -168,7 +172,7 @@ def ensure_image_packages(args: argparse.Namespace, python: Path) -> Path:
     return folder
 
 
-def make_runtime(args: argparse.Namespace) -> Runtime:
+def make_runtime(options: GlobalOptions, args: argparse.Namespace) -> Runtime:
     """The CPU test env (made or reused as by e2 env) and its e2 view, or --python."""
     if args.python:
         python, view = Path(args.python), None
@@ -182,7 +186,7 @@ def make_runtime(args: argparse.Namespace) -> Runtime:
     else:
         from e2.testenv import prepare
 
-        env, made = prepare(args.project, args.project.load(), args.upstream.cache.root,
+        env, made = prepare(options.project, options.project.load(), options.cache,
                             "cpu", overlay=not args.stock_only)
         python, view, why = env.python, made.path if made else None, None
     if args.stock_only:
@@ -194,7 +198,7 @@ def make_runtime(args: argparse.Namespace) -> Runtime:
     if probe.returncode != 0 or not probe.stdout.startswith("True"):
         raise E2Error(f"{python} cannot import vllm", hint="pass --python of a vLLM venv")
     return Runtime(python, view, why, probe.stdout.split()[1] == "True",
-                   ensure_image_packages(args, python))
+                   ensure_image_packages(options, python))
 
 
 # ---------------------------------------------------------------- running
@@ -306,13 +310,13 @@ def boot_all(runtime: Runtime, models: list[Path], settings: Settings,
             console.info(f"{model.name} {side}: {boot['kv_line']} ({boot['seconds']} s)")
 
 
-def boot_images(args: argparse.Namespace) -> dict:
+def boot_images(project: Project, args: argparse.Namespace) -> dict:
     """Stock and E2 engine images on DOCKER_HOST for --boot --docker (the GPU host)."""
     from e2.image import connect, engine_images
 
     client = connect()  # an unreachable DOCKER_HOST fails here, before any boot
     return {"client": client, "gpus": args.gpus,
-            "images": engine_images(args.project, args.project.load(), args.stock_image,
+            "images": engine_images(project, project.load(), args.stock_image,
                                     args.e2_image)}
 
 
@@ -462,13 +466,14 @@ def matrix_scenarios(capability: str) -> list[tuple[str, Settings]]:
     return runs
 
 
-def matrix_folder(args: argparse.Namespace, runtime: Runtime, capability: str) -> Path:
+def matrix_folder(project: Project, args: argparse.Namespace, runtime: Runtime,
+                  capability: str) -> Path:
     """Per-run results of one worker, series and target: a rerun resumes there."""
     assert runtime.view is not None  # the matrix compares stock with E2: there is an E2 side
     key = hashlib.sha256(WORKER.read_bytes()
                          + (runtime.view / "MANIFEST.json").read_bytes()
                          + capability.encode()).hexdigest()[:16]
-    return (args.results or args.project.root / ".e2" / "results") / "capacity-matrix" / key
+    return (args.results or project.state_dir / "results") / "capacity-matrix" / key
 
 
 def snapshot_view(view: Path, folder: Path) -> Path:
@@ -583,10 +588,10 @@ def matrix_flags(runs: list[dict]) -> list[str]:
     return flags
 
 
-def matrix_record(args: argparse.Namespace, runtime: Runtime, folder: Path,
+def matrix_record(project: Project, runtime: Runtime, folder: Path,
                   scenarios: list[tuple[str, Settings]],
                   results: dict[tuple[str, str, str], dict]) -> dict:
-    series = args.project.load()
+    series = project.load()
     runs: list[dict] = []
     for name, settings in scenarios:
         runs.append({"model": name, "setting": settings.label(),
@@ -599,7 +604,7 @@ def matrix_record(args: argparse.Namespace, runtime: Runtime, folder: Path,
         "format": 2,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "upstream_version": series.upstream.version,
-        "series_digest": series_digest(series, args.project.patches_dir),
+        "series_digest": series_digest(series, project.patches_dir),
         "capability": scenarios[0][1].capability,
         "host": f"{platform.node()} ({platform.system()} {platform.machine()}, "
                 f"{os.cpu_count()} CPUs)",
@@ -755,19 +760,20 @@ def plot_matrix(record: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def run_baseline(args: argparse.Namespace) -> int:
+def run_baseline(options: GlobalOptions, args: argparse.Namespace) -> int:
     """The whole matrix, resumable, then docs/capacity-baseline.md and .png."""
-    runtime = make_runtime(args)
+    project = options.project
+    runtime = make_runtime(options, args)
     if runtime.view is None:
         raise E2Error(f"--baseline compares stock with E2, and there is no E2 side: "
                       f"{runtime.why_no_view}")
     scenarios = matrix_scenarios(args.capability)
-    folder = matrix_folder(args, runtime, args.capability)
+    folder = matrix_folder(project, args, runtime, args.capability)
     folder.mkdir(parents=True, exist_ok=True)
     runtime = dataclasses.replace(runtime, view=snapshot_view(runtime.view, folder))
     results = run_matrix(runtime, folder, scenarios)
-    record = matrix_record(args, runtime, folder, scenarios, results)
-    docs = args.project.root / "docs"
+    record = matrix_record(project, runtime, folder, scenarios, results)
+    docs = project.root / "docs"
     record["record"] = "docs/validation/capacity-baseline.json"
     _publish(docs / "validation" / "capacity-baseline.json",
              json.dumps(record, indent=1) + "\n")
@@ -876,7 +882,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise E2Error(f"--max-num-seqs {args.max_num_seqs}: must be at least 1")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(options: GlobalOptions, args: argparse.Namespace) -> int:
+    project = options.project
     _check_numbers(args)
     if (args.docker or args.stock_image or args.e2_image or args.gpus) and not args.boot:
         raise E2Error("--docker, --stock-image, --e2-image and --gpus go with --boot")
@@ -887,29 +894,29 @@ def run(args: argparse.Namespace) -> int:
             raise E2Error("--baseline runs its own scenario matrix on the whole zoo, "
                           "both sides", hint="drop --model, --boot, --stock-only and "
                           "--no-record; --capability picks the target GPU")
-        return run_baseline(args)
+        return run_baseline(options, args)
     specs = list(args.model) + (zoo_names() if args.zoo else [])
     if not specs:
         raise E2Error("no model given", hint="--model DIR|NAME (repeatable) or --zoo")
     models = list(dict.fromkeys(resolve_model(spec) for spec in specs))
-    runtime = make_runtime(args)
+    runtime = make_runtime(options, args)
     if runtime.view is None:
         console.warn(f"E2 side skipped: {runtime.why_no_view}; running stock only")
     settings = Settings(args.budget_gib, args.tp, args.max_num_seqs, args.max_model_len,
                         args.kv_dtype, args.mamba_cache_mode, tuple(args.lengths),
                         args.capability)
-    images = boot_images(args) if args.boot and args.docker else None  # reach it first
+    images = boot_images(project, args) if args.boot and args.docker else None  # reach it first
     per_model = run_all(runtime, models, settings)
     if args.boot:
         boot_all(runtime, models, settings, per_model, images)
-    series = args.project.load()
+    series = project.load()
     first = next(iter(per_model.values()))["stock"]
     record = {
         "format": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "upstream_version": series.upstream.version,
         "vllm_version": first["vllm_version"],
-        "series_digest": series_digest(series, args.project.patches_dir),
+        "series_digest": series_digest(series, project.patches_dir),
         "host": f"{platform.node()} ({platform.system()} {platform.machine()}, "
                 f"{os.cpu_count()} CPUs)",
         "device": f"none: CPU only; the planner reproduces a CUDA boot on compute "
@@ -932,11 +939,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_tables(per_model)
     if not args.no_record:
-        results = args.results or args.project.root / "docs" / "validation"
+        results = args.results or project.root / "docs" / "validation"
         stamp = record["created"].replace(":", "").replace("-", "")[:15]
         base = results / f"capacity-{stamp}"
-        record["record_md"] = str(base.with_suffix(".md").relative_to(args.project.root)
-                                  if base.is_relative_to(args.project.root)
+        record["record_md"] = str(base.with_suffix(".md").relative_to(project.root)
+                                  if base.is_relative_to(project.root)
                                   else base.with_suffix(".md"))
         _publish(base.with_suffix(".json"), json.dumps(record, indent=1) + "\n")
         _publish(base.with_suffix(".md"), render_markdown(record) + render_boot(per_model))

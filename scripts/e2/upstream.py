@@ -8,7 +8,7 @@ Three ways in, one result (a commit tagged ``v<version>`` in the cache repo):
 * ``git``: the tag fetched from a git remote (commit verified when pinned);
 * a local tree or tarball (``--upstream PATH``) for machines that reach neither.
 
-The cache repo lives under the XDG cache dir and every change to it happens
+The cache repo lives in the cache directory (``e2.cache``) and every change to it happens
 under a file lock, so two runs cannot corrupt it. Each tag is bound to the
 sdist sha256 it was imported from (``e2-pins.json`` beside the refs), and
 every use of a cached tag checks that binding against series.yaml: a pin
@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Literal
 
 import git
-from filelock import FileLock
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from e2 import console
+from e2.cache import Cache
 from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.series import Upstream
@@ -121,11 +121,6 @@ def check_version(where: Path, found: str | None, upstream: Upstream) -> None:
                       hint=f"pass the {upstream.version} sdist or tree")
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "vllm-e2"
-
-
 def index_url() -> str:
     """The simple-API index pip is configured with (env, then pip config, then pip's default)."""
     if os.environ.get("PIP_INDEX_URL"):
@@ -209,16 +204,17 @@ def download(url: str, dest: Path, expected_sha256: str) -> Path:
 
 
 class UpstreamCache:
-    """The local repo holding one tagged commit per upstream release."""
+    """The local repo holding one tagged commit per upstream release, in ``cache``."""
 
-    def __init__(self, root: Path | None = None):
-        self.root = root or default_cache_dir()
-        self.repo_dir = self.root / "upstream.git"
-        self.downloads = self.root / "downloads"
-        self.lock = FileLock(str(self.root / "lock"))
+    def __init__(self, cache: Cache):
+        self.cache = cache
+        self.repo_dir = cache.upstream_repo
+        self.downloads = cache.downloads
+        self.scratch = cache.upstream_scratch
+        self.lock = cache.upstream_lock
 
     def _repo(self) -> git.Repo:
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.scratch.mkdir(parents=True, exist_ok=True)
         if not (self.repo_dir / "HEAD").exists():
             repo = git.Repo.init(self.repo_dir, bare=True)
             repo.git.config("gc.auto", "0")
@@ -333,9 +329,9 @@ class UpstreamCache:
 
     def _remove_leftovers(self) -> None:
         """Scratch of an import that was killed (held under the lock: none is running)."""
-        for leftover in self.root.glob("extract-*"):
+        for leftover in self.scratch.glob("extract-*"):
             shutil.rmtree(leftover, ignore_errors=True)
-        for leftover in [*self.root.glob("index-*"), *self.downloads.glob("*.part")]:
+        for leftover in [*self.scratch.glob("index-*"), *self.downloads.glob("*.part")]:
             leftover.unlink(missing_ok=True)
 
     # -- sources
@@ -383,7 +379,7 @@ class UpstreamCache:
 
     def _tarball_commit(self, repo: git.Repo, upstream: Upstream, tarball: Path) -> str:
         """The commit of an sdist's tree (untagged), once it is shown to be that release."""
-        with tempfile.TemporaryDirectory(dir=self.root, prefix="extract-") as tmp:
+        with tempfile.TemporaryDirectory(dir=self.scratch, prefix="extract-") as tmp:
             with console.status(f"extracting {tarball.name}"):
                 try:
                     with tarfile.open(tarball) as archive:
@@ -402,7 +398,7 @@ class UpstreamCache:
         return commit
 
     def _commit_tree(self, repo: git.Repo, upstream: Upstream, tree: Path, origin: str) -> str:
-        index_file = self.root / f"index-{os.getpid()}"
+        index_file = self.scratch / f"index-{os.getpid()}"
         env = {**IMPORT_ENV, "GIT_INDEX_FILE": str(index_file), "GIT_WORK_TREE": str(tree)}
         try:
             with console.status(f"committing {origin} as {upstream.tag}"):

@@ -31,17 +31,21 @@ import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from e2 import console
-from e2.apply import apply_series
+from e2.apply import UpstreamOptions, apply_series
 from e2.classify import CLASSES, FAILING, Verdict, classify, counts
 from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.models import prepare_store
 from e2.series import Patch, Project, Series, series_digest
 from e2.testenv import TARGETS, TestEnv, View, prepare
+
+if TYPE_CHECKING:
+    from e2.cli import GlobalOptions
 
 # Upstream's suites over what the series changes: all of tests/v1/core and
 # tests/v1/worker, test_envs.py (envs.py carries the switch registry) and the
@@ -209,26 +213,27 @@ class Sides:
         return result
 
 
-def prepare_sides(args: argparse.Namespace, project: Project, series: Series, tree: Path,
-                  kind: str) -> Sides:
-    env, view = prepare(project, series, args.upstream.cache.root, args.target, overlay=True)
+def prepare_sides(options: GlobalOptions, args: argparse.Namespace, series: Series,
+                  tree: Path, kind: str) -> Sides:
+    project = options.project
+    env, view = prepare(project, series, options.cache, args.target, overlay=True)
     assert view is not None
-    hub_cache = prepare_store(series, args.upstream.cache.root, env.python)
+    hub_cache = prepare_store(series, options.cache, env.python)
     return Sides(env, view, tree, hub_cache, project.state_dir / "logs" / kind, args.timeout)
 
 
 class PatchedTree:
     """The series applied exactly into a full scratch checkout (tests and conftests included)."""
 
-    def __init__(self, project: Project, series: Series, args: argparse.Namespace):
-        self.project, self.series, self.args = project, series, args
+    def __init__(self, project: Project, series: Series, upstream: UpstreamOptions):
+        self.project, self.series, self.upstream = project, series, upstream
         self._tmp: tempfile.TemporaryDirectory | None = None
 
     def __enter__(self) -> Path:
         self.project.state_dir.mkdir(parents=True, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(dir=self.project.state_dir, prefix="validate-")
         tree = Path(self._tmp.name) / "tree"
-        apply_series(self.project, self.series, tree, self.args.upstream, exact=True)
+        apply_series(self.project, self.series, tree, self.upstream, exact=True)
         return tree
 
     def __exit__(self, *exc_info: object) -> None:
@@ -304,15 +309,15 @@ def seam_markdown(header: dict, patches: list[SeamPatch]) -> str:
     return "\n".join(lines)
 
 
-def run_seam(args: argparse.Namespace) -> int:
-    project: Project = args.project
+def run_seam(options: GlobalOptions, args: argparse.Namespace) -> int:
+    project = options.project
     series = project.load()
     patches = [series.by_id(i) for i in args.patch] if args.patch else list(series.patches)
     if not patches:
         raise E2Error("series.yaml has no patches to test")
     started = time.monotonic()
-    with PatchedTree(project, series, args) as tree:
-        sides = prepare_sides(args, project, series, tree, "seam")
+    with PatchedTree(project, series, options.upstream) as tree:
+        sides = prepare_sides(options, args, series, tree, "seam")
         # every run is its own pytest process over the same tree, so they can overlap
         runs = sides.run_many([job for patch in patches for job in seam_jobs(patch)],
                               "seam tests", workers=args.jobs)
@@ -407,17 +412,17 @@ def e2_variants(series: Series, args: argparse.Namespace) -> dict[str, dict[str,
     return variants
 
 
-def run_upstream(args: argparse.Namespace) -> int:
-    project: Project = args.project
+def run_upstream(options: GlobalOptions, args: argparse.Namespace) -> int:
+    project = options.project
     series = project.load()
     suites = args.suite or list(CI_SUITES if args.ci else DEFAULT_SUITES)
     variants = e2_variants(series, args)
     started = time.monotonic()
-    with PatchedTree(project, series, args) as tree:
+    with PatchedTree(project, series, options.upstream) as tree:
         missing = [s for s in suites if not (tree / s.split("::", 1)[0]).exists()]
         if missing:
             raise E2Error("no such suite in the patched tree: " + ", ".join(missing))
-        sides = prepare_sides(args, project, series, tree, "upstream")
+        sides = prepare_sides(options, args, series, tree, "upstream")
         jobs: list[Job] = [("stock", suites, "upstream stock", None)]
         jobs += [("e2", suites, name.replace("upstream", "upstream e2"), switches)
                  for name, switches in variants.items()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import git
 
@@ -13,6 +14,9 @@ from e2.errors import E2Error
 from e2.image import dockerfile_drift, has_dockerfile
 from e2.overlay import PACKAGE, OverlayPlan, ScratchTree, overlay_drift, plan_overlay, sync_problems
 from e2.series import Project, Series
+
+if TYPE_CHECKING:
+    from e2.cli import GlobalOptions
 
 REGISTRY_FILE = f"{PACKAGE}/envs.py"
 
@@ -158,11 +162,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    project: Project = args.project
+def run(options: GlobalOptions, args: argparse.Namespace) -> int:
+    project = options.project
     series = project.load()  # schema errors raise with file:line:column
     failed = 0
-    for check in verify(project, series, args.upstream):
+    for check in verify(project, series, options.upstream):
         mark = "[green]ok[/]  " if check.ok else "[red]FAIL[/]"
         console.out.print(f"{mark} {check.name}")
         for problem in check.problems:

@@ -52,8 +52,8 @@ Path(sys.argv[3]).write_text(json.dumps(report))
 
 
 @pytest.fixture(scope="module")
-def runtime(upstream_cache):
-    return bench_scheduler.make_runtime()
+def runtime(upstream_cache, cache):
+    return bench_scheduler.make_runtime(cache)
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,9 @@ import git
 import pytest
 from filelock import FileLock
 
-from conftest import AUTHOR, REPO_ROOT
+from conftest import AUTHOR, REPO_ROOT, TEST_CACHE_ENV
 from e2 import cli
+from e2.cache import Cache
 from e2.gitops import clone_worktree
 
 TRACKED = ("series.yaml", "patches", "overlay", "images", "Dockerfile", ".gitignore")
@@ -143,7 +144,7 @@ def overlay_as_symlink(root: Path) -> None:
 
 def worktree(root: Path) -> git.Repo:
     """A worktree on the pinned tag with no commits, as an interrupted apply may leave."""
-    repo = clone_worktree(Path(os.environ["E2_TEST_CACHE"]) / "upstream.git",
+    repo = clone_worktree(Cache(Path(os.environ[TEST_CACHE_ENV])).upstream_repo,
                           root / ".e2/work", "v0.31.0", sparse_paths=[])
     with repo.config_writer() as config:
         for key, value in AUTHOR.items():
@@ -287,14 +288,14 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_clear_line_and_changes_nothing(case, checkout, upstream_cache,
                                                          capsys, monkeypatch):
-    monkeypatch.setenv("E2_TEST_CACHE", str(upstream_cache.root))
+    monkeypatch.setenv(TEST_CACHE_ENV, str(upstream_cache.cache.root))  # for worktree()
     case.breaks(checkout)
     (checkout / ".e2").mkdir(exist_ok=True)
     (checkout / ".e2" / "lock").touch()  # the checkout lock's file outlives every command
     before = snapshot(checkout)
     args = [a.format(root=checkout, parent=checkout.parent) for a in case.args]
     if "--cache" not in args:
-        args = ["--cache", str(upstream_cache.root), *args]
+        args = ["--cache", str(upstream_cache.cache.root), *args]
     capsys.readouterr()
     if case.held_lock:
         with FileLock(str(checkout / ".e2" / "lock")):
@@ -312,7 +313,7 @@ def test_an_unexpected_error_is_one_line_and_a_crash_log(checkout, tmp_path, cap
                                                          monkeypatch):
     from e2 import status
 
-    def broken(args):
+    def broken(options, args):
         raise KeyError("a bug")
 
     monkeypatch.setattr(status, "run", broken)

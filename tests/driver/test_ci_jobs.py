@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import yaml
+
+from conftest import copy_checkout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,10 +50,21 @@ def test_probe_gpu_without_a_host_is_a_usage_error():
     assert "usage: scripts/probe-gpu.sh DOCKER_HOST" in result.stderr
 
 
-def test_probe_gpu_with_an_unreachable_host_fails_clearly(tmp_path):
+def test_probe_gpu_with_an_unreachable_host_fails_clearly(tmp_path, upstream_cache):
+    # The script runs e2 on the checkout it sits in, which writes there (.e2/image):
+    # here, a copy; its `e2` is the tests' own, on the tests' cache.
+    checkout = copy_checkout(tmp_path / "checkout")
+    (checkout / "scripts").mkdir()
+    shutil.copy2(REPO_ROOT / "scripts/probe-gpu.sh", checkout / "scripts")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "e2").write_text(f'#!/bin/sh\nexec {sys.executable} -m e2.cli '
+                                f'--cache "{upstream_cache.cache.root}" "$@"\n')
+    (bin_dir / "e2").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     socket = tmp_path / "nothing.sock"
-    result = subprocess.run([str(REPO_ROOT / "scripts/probe-gpu.sh"), f"unix://{socket}"],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run([str(checkout / "scripts/probe-gpu.sh"), f"unix://{socket}"],
+                            capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert "docker" in result.stderr.lower() and str(socket) in result.stderr

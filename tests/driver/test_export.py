@@ -139,7 +139,8 @@ def test_comments_in_series_yaml_survive_export(e2):
                         "  site_packages:", 1)
     e2.project.series_file.write_text(text)
     # a sparse worktree (the files the patches touch) is enough: export reads commits
-    apply_series(e2.project, e2.project.load(), e2.work, UpstreamOptions(e2.cache), sparse=True)
+    apply_series(e2.project, e2.project.load(), e2.work, UpstreamOptions(e2.upstream_cache),
+                 sparse=True)
     _, out, _ = e2("export")
     assert "already match" in out and e2.series_text() == text   # byte for byte
     repo = e2.worktree()

@@ -51,7 +51,8 @@ def series_files(e2) -> dict[str, bytes]:
 def test_apply_force_stopped_keeps_the_old_worktree_and_reruns(e2, at, signal):
     copy_real_patches(e2)
     # the worktree to replace: only the files the patches touch (a full checkout is slow)
-    apply_series(e2.project, e2.project.load(), e2.work, UpstreamOptions(e2.cache), sparse=True)
+    apply_series(e2.project, e2.project.load(), e2.work, UpstreamOptions(e2.upstream_cache),
+                 sparse=True)
     head = git.Repo(e2.work).head.commit.hexsha
     staging = e2.work.with_name(".work.new")
 
@@ -108,7 +109,7 @@ def edited_worktree(e2, tmp_path):
     """A worktree whose patch 0001 was amended, and the export it should give."""
     copy_real_patches(e2)
     series = e2.project.load()
-    apply_series(e2.project, series, e2.work, UpstreamOptions(e2.cache), sparse=True)
+    apply_series(e2.project, series, e2.work, UpstreamOptions(e2.upstream_cache), sparse=True)
     repo = e2.worktree()
     target = e2.work / "vllm/envs.py"
     target.write_text(target.read_text() + "\n# amended\n")

@@ -15,6 +15,7 @@ from test_upstream import Index, pin, small_sdist
 
 from conftest import copy_real_patches
 from e2.apply import UpstreamOptions
+from e2.cache import Cache
 from e2.errors import E2Error
 from e2.rebase import resolve_target
 from e2.series import Upstream
@@ -60,7 +61,7 @@ def test_rebase_with_a_tarball_of_another_release_is_refused(e2, upstream_cache,
                    expect=1)
     assert f"--upstream {sdist} is vLLM 0.31.0, not 0.32.0" in " ".join(err.split())
     assert e2.series_text() == before
-    assert UpstreamCache(cold).tag_commit("v0.32.0") is None
+    assert UpstreamCache(Cache(cold)).tag_commit("v0.32.0") is None
 
 
 def _sdist_with(version: str, extra: str) -> bytes:
@@ -77,7 +78,7 @@ def test_a_local_tarball_must_be_the_index_release(tmp_path, monkeypatch):
     released, local_build = _sdist_with("9.9.0", "# released\n"), _sdist_with("9.9.0", "# mine\n")
     tarball = tmp_path / "vllm-9.9.0.tar.gz"
     tarball.write_bytes(local_build)
-    cache = UpstreamCache(tmp_path / "cache")
+    cache = UpstreamCache(Cache(tmp_path / "cache"))
     current = pin(b"x", version="9.8.0")
     with Index({"vllm-9.9.0.tar.gz": released}) as index:
         monkeypatch.setenv("PIP_INDEX_URL", index.url)
@@ -94,8 +95,8 @@ def test_without_an_index_a_local_tarball_is_pinned_by_its_own_hash(tmp_path, mo
     tarball = tmp_path / "vllm-9.9.0.tar.gz"
     tarball.write_bytes(data)
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
-    target = resolve_target("v9.9.0", pin(b"x", version="9.8.0"),
-                            UpstreamOptions(UpstreamCache(tmp_path / "cache"), local=tarball))
+    options = UpstreamOptions(UpstreamCache(Cache(tmp_path / "cache")), local=tarball)
+    target = resolve_target("v9.9.0", pin(b"x", version="9.8.0"), options)
     assert target.sdist_sha256 == hashlib.sha256(data).hexdigest()
     assert "unchecked against the release" in capsys.readouterr().err
 
@@ -104,7 +105,7 @@ def test_a_tag_cached_without_a_binding_is_verified_once(tmp_path):
     data = small_sdist()
     tarball = tmp_path / "vllm-9.9.0.tar.gz"
     tarball.write_bytes(data)
-    cache = UpstreamCache(tmp_path / "cache")
+    cache = UpstreamCache(Cache(tmp_path / "cache"))
     commit = cache.ensure(pin(data), local=tarball)
     assert cache.bindings()["v9.9.0"].sdist_sha256 == pin(data).sdist_sha256
     # as an older e2 left it: the tag without its binding, the sdist in downloads/
@@ -128,13 +129,14 @@ def test_a_killed_import_leaves_nothing_behind_for_long(tmp_path):
     data = small_sdist()
     tarball = tmp_path / "vllm-9.9.0.tar.gz"
     tarball.write_bytes(data)
-    cache = UpstreamCache(tmp_path / "cache")
-    (cache.root / "extract-killed" / "vllm-9.9.0").mkdir(parents=True)
-    (cache.root / "index-4242").write_text("stale index")
+    root = tmp_path / "cache"
+    cache = UpstreamCache(Cache(root))
+    (root / "extract-killed" / "vllm-9.9.0").mkdir(parents=True)
+    (root / "index-4242").write_text("stale index")
     cache.downloads.mkdir()
     (cache.downloads / "vllm-9.8.0.tar.gz.part").write_bytes(b"half")
     cache.ensure(pin(data), local=tarball)
-    assert sorted(p.name for p in cache.root.iterdir()) == ["downloads", "lock", "upstream.git"]
+    assert sorted(p.name for p in root.iterdir()) == ["downloads", "lock", "upstream.git"]
     assert list(cache.downloads.iterdir()) == []
 
 
@@ -142,7 +144,7 @@ def test_pins_file_is_the_binding_of_each_tag(tmp_path):
     data = small_sdist()
     tarball = tmp_path / "vllm-9.9.0.tar.gz"
     tarball.write_bytes(data)
-    cache = UpstreamCache(tmp_path / "cache")
+    cache = UpstreamCache(Cache(tmp_path / "cache"))
     commit = cache.ensure(pin(data), local=tarball)
     pins = yaml.safe_load((cache.repo_dir / PINS_FILE).read_text())
     assert pins == {"v9.9.0": {"commit": commit, "sdist_sha256": pin(data).sdist_sha256,
@@ -158,4 +160,4 @@ def test_a_release_missing_on_the_index_is_named_before_the_git_fallback(tmp_pat
         monkeypatch.setenv("PIP_INDEX_URL", index.url)
         with pytest.raises(E2Error, match=r"the package index has no vllm-9.9.0.tar.gz; and "
                                           r"from git: cannot fetch v9.9.0"):
-            UpstreamCache(tmp_path / "cache").ensure(upstream)
+            UpstreamCache(Cache(tmp_path / "cache")).ensure(upstream)

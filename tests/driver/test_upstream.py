@@ -15,6 +15,7 @@ from pathlib import Path
 import git
 import pytest
 
+from e2.cache import Cache
 from e2.errors import E2Error
 from e2.series import GitSource, Upstream
 from e2.upstream import UpstreamCache, find_sdist, index_url
@@ -113,7 +114,7 @@ def test_sdist_is_downloaded_verified_and_committed(tmp_path, monkeypatch):
     data = small_sdist()
     with Index({"vllm-9.9.0.tar.gz": data}) as index:
         monkeypatch.setenv("PIP_INDEX_URL", index.url)
-        cache = UpstreamCache(tmp_path / "cache")
+        cache = UpstreamCache(Cache(tmp_path / "cache"))
         commit = cache.ensure(pin(data))
     repo = git.Repo(cache.repo_dir)
     assert repo.git.rev_parse("refs/tags/v9.9.0^{commit}") == commit
@@ -122,7 +123,7 @@ def test_sdist_is_downloaded_verified_and_committed(tmp_path, monkeypatch):
         ".gitignore", "PKG-INFO", "vllm/__init__.py", "vllm/envs.py"]
     assert (cache.downloads / "vllm-9.9.0.tar.gz").read_bytes() == data
     # importing is deterministic: the same sdist gives the same commit anywhere
-    other = UpstreamCache(tmp_path / "other")
+    other = UpstreamCache(Cache(tmp_path / "other"))
     assert other.ensure(pin(data), local=cache.downloads / "vllm-9.9.0.tar.gz") == commit
 
 
@@ -130,7 +131,7 @@ def test_index_listing_another_hash_is_refused_before_download(tmp_path, monkeyp
     data = small_sdist()
     with Index({"vllm-9.9.0.tar.gz": data}, listed_sha={"vllm-9.9.0.tar.gz": "0" * 64}) as index:
         monkeypatch.setenv("PIP_INDEX_URL", index.url)
-        cache = UpstreamCache(tmp_path / "cache")
+        cache = UpstreamCache(Cache(tmp_path / "cache"))
         with pytest.raises(E2Error, match=r"sha256 mismatch for vllm-9.9.0.tar.gz: the index "
                                           r"lists 0{64}, series.yaml pins [0-9a-f]{64}"):
             cache.ensure(pin(data))
@@ -145,7 +146,7 @@ def test_downloaded_bytes_with_another_hash_are_refused(tmp_path, monkeypatch):
     with Index({"vllm-9.9.0.tar.gz": tampered}, listed_sha={}) as index:
         index.listed_sha["vllm-9.9.0.tar.gz"] = None
         monkeypatch.setenv("PIP_INDEX_URL", index.url)
-        cache = UpstreamCache(tmp_path / "cache")
+        cache = UpstreamCache(Cache(tmp_path / "cache"))
         with pytest.raises(E2Error, match="sha256 mismatch for vllm-9.9.0.tar.gz: got"):
             cache.ensure(pin(served))
     assert cache.tag_commit("v9.9.0") is None
@@ -156,7 +157,7 @@ def test_missing_release_is_named(tmp_path, monkeypatch):
     with Index({}) as index:
         monkeypatch.setenv("PIP_INDEX_URL", index.url)
         with pytest.raises(E2Error, match="the package index has no vllm-9.9.0.tar.gz"):
-            UpstreamCache(tmp_path / "cache").ensure(pin(small_sdist()))
+            UpstreamCache(Cache(tmp_path / "cache")).ensure(pin(small_sdist()))
 
 
 def test_local_tarball_with_wrong_hash_is_refused(tmp_path):
@@ -164,7 +165,7 @@ def test_local_tarball_with_wrong_hash_is_refused(tmp_path):
     tarball = tmp_path / "vllm-9.9.0.tar.gz"
     tarball.write_bytes(data + b"x")
     with pytest.raises(E2Error, match=f"sha256 mismatch for {tarball}"):
-        UpstreamCache(tmp_path / "cache").ensure(pin(data), local=tarball)
+        UpstreamCache(Cache(tmp_path / "cache")).ensure(pin(data), local=tarball)
 
 
 def test_local_tree_is_imported_with_a_warning(tmp_path, capsys):
@@ -172,7 +173,7 @@ def test_local_tree_is_imported_with_a_warning(tmp_path, capsys):
     tree.mkdir(parents=True)
     (tree / "__init__.py").write_text("\n")
     (tree / "_version.py").write_text("__version__ = version = '9.9.0'\n")
-    cache = UpstreamCache(tmp_path / "cache")
+    cache = UpstreamCache(Cache(tmp_path / "cache"))
     commit = cache.ensure(pin(b"unused"), local=tree.parent)
     assert "without a hash check" in capsys.readouterr().err
     assert git.Repo(cache.repo_dir).git.ls_tree("-r", "--name-only", commit).split() == [
@@ -193,12 +194,12 @@ def remote_with_tag(tmp_path: Path, version: str) -> tuple[Path, str]:
 
 def test_git_remote_source_fetches_the_tag_and_checks_the_pinned_commit(tmp_path):
     remote, commit = remote_with_tag(tmp_path, "9.9.0")
-    cache = UpstreamCache(tmp_path / "cache")
+    cache = UpstreamCache(Cache(tmp_path / "cache"))
     upstream = pin(b"x", git=GitSource(remote=str(remote), commit=commit))
     assert cache.ensure(upstream, source="git") == commit
 
     wrong = pin(b"x", git=GitSource(remote=str(remote), commit="1" * 40))
-    other = UpstreamCache(tmp_path / "other")
+    other = UpstreamCache(Cache(tmp_path / "other"))
     with pytest.raises(E2Error, match=f"v9.9.0 at {remote} is {commit}, series.yaml pins 1{{40}}"):
         other.ensure(wrong, source="git")
     assert other.tag_commit("v9.9.0") is None
@@ -207,12 +208,12 @@ def test_git_remote_source_fetches_the_tag_and_checks_the_pinned_commit(tmp_path
 def test_unreachable_git_remote_is_named(tmp_path):
     upstream = pin(b"x", git=GitSource(remote=str(tmp_path / "nowhere")))
     with pytest.raises(E2Error, match="cannot fetch v9.9.0 from"):
-        UpstreamCache(tmp_path / "cache").ensure(upstream, source="git")
+        UpstreamCache(Cache(tmp_path / "cache")).ensure(upstream, source="git")
 
 
 def _ensure_in_process(cache_root: str, tarball: str, sha: str, queue) -> None:
     upstream = Upstream(version="9.9.0", tag="v9.9.0", sdist_sha256=sha)
-    queue.put(UpstreamCache(Path(cache_root)).ensure(upstream, local=Path(tarball)))
+    queue.put(UpstreamCache(Cache(Path(cache_root))).ensure(upstream, local=Path(tarball)))
 
 
 def test_two_runs_at_once_share_one_import(tmp_path):

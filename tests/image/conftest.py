@@ -1,7 +1,7 @@
 """Fixtures for the image tests: a real Docker engine and a fast stand-in base.
 
 The engine is DOCKER_HOST when set; otherwise a private dockerd started here
-through ci/dockerd.sh (state in $E2_DOCKERD_DIR, default the XDG cache, so
+through ci/dockerd.sh (state in the tests' cache, or $E2_DOCKERD_DIR, so
 bases survive between runs) and stopped by pid at the end. With neither, the
 tests that need Docker fail with a message saying how to get one.
 """
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from e2.cache import Cache
 from e2.series import load_series
-from e2.upstream import UpstreamCache, default_cache_dir
+from e2.upstream import UpstreamCache
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCKERD_SCRIPT = REPO_ROOT / "ci" / "dockerd.sh"
@@ -28,12 +29,8 @@ SERIES = load_series(REPO_ROOT / "series.yaml")
 VERSION = SERIES.upstream.version
 
 
-def _dockerd_dir() -> Path:
-    return Path(os.environ.get("E2_DOCKERD_DIR") or default_cache_dir() / "dockerd")
-
-
 @pytest.fixture(scope="session")
-def docker_host() -> str:
+def docker_host(cache: Cache) -> str:
     """DOCKER_HOST for the session's engine (set in os.environ for `e2` in-process)."""
     import docker
 
@@ -48,10 +45,10 @@ def docker_host() -> str:
         pytest.fail("the image tests need a Docker engine: set DOCKER_HOST, or run as root "
                     "with dockerd installed (apt-get install docker.io) so the tests start "
                     "a private one (ci/dockerd.sh)")
-    pidfile = _dockerd_dir() / "dockerd.pid"
+    pidfile = cache.dockerd / "dockerd.pid"
     already = pidfile.is_file() and _alive(int(pidfile.read_text()))
     result = subprocess.run(["sh", str(DOCKERD_SCRIPT), "start"], capture_output=True,
-                            text=True, env={**os.environ, "E2_DOCKERD_DIR": str(_dockerd_dir())})
+                            text=True, env={**os.environ, "E2_DOCKERD_DIR": str(cache.dockerd)})
     if result.returncode != 0:
         pytest.fail(f"could not start a private dockerd:\n{result.stderr}")
     host = result.stdout.strip().split("=", 1)[1]
@@ -82,7 +79,7 @@ class Project:
 
     PARTS = ("series.yaml", "patches", "overlay", "images/engine", "Dockerfile")
 
-    def __init__(self, root: Path, cache: UpstreamCache):
+    def __init__(self, root: Path, cache: Cache):
         self.root, self.cache = root, cache
         for part in self.PARTS:
             source = REPO_ROOT / part
@@ -106,7 +103,7 @@ class Project:
 
 @pytest.fixture
 def project(tmp_path: Path, upstream_cache: UpstreamCache) -> Project:
-    return Project(tmp_path / "project", upstream_cache)
+    return Project(tmp_path / "project", upstream_cache.cache)
 
 
 @pytest.fixture(scope="session")
@@ -119,15 +116,14 @@ def docker_client(docker_host):
 # ---------------------------------------------------------------- stand-in base
 
 
-def busybox_deb() -> Path:
-    """busybox-static from Debian, downloaded once into the XDG cache."""
-    cache = default_cache_dir() / "debs"
-    cache.mkdir(parents=True, exist_ok=True)
-    found = sorted(cache.glob("busybox-static_*.deb"))
+def busybox_deb(debs: Path) -> Path:
+    """busybox-static from Debian, downloaded once into the tests' cache (``debs``)."""
+    debs.mkdir(parents=True, exist_ok=True)
+    found = sorted(debs.glob("busybox-static_*.deb"))
     if not found:
-        result = subprocess.run(["apt-get", "download", "busybox-static"], cwd=cache,
+        result = subprocess.run(["apt-get", "download", "busybox-static"], cwd=debs,
                                 capture_output=True, text=True)
-        found = sorted(cache.glob("busybox-static_*.deb"))
+        found = sorted(debs.glob("busybox-static_*.deb"))
         if not found:
             pytest.fail(f"apt-get download busybox-static failed: {result.stderr}")
     return found[-1]
@@ -139,14 +135,14 @@ class StandIn:
     site_packages: str
 
 
-def standin_tar(work: Path, repo: Path, site_packages: str, edit: dict[str, bytes]) -> Path:
+def standin_tar(work: Path, cache: Cache, site_packages: str, edit: dict[str, bytes]) -> Path:
     """busybox (sh, sha256sum, sed: all the Dockerfile's RUN steps use) + upstream vllm/."""
     unpacked = work / "busybox"
-    subprocess.run(["dpkg", "-x", str(busybox_deb()), str(unpacked)], check=True)
+    subprocess.run(["dpkg", "-x", str(busybox_deb(cache.debs)), str(unpacked)], check=True)
     busybox = unpacked / "bin" / "busybox"
     applets = subprocess.run([str(busybox), "--list"], capture_output=True, text=True,
                              check=True).stdout.split()
-    archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar",
+    archive = subprocess.run(["git", "-C", str(cache.upstream_repo), "archive", "--format=tar",
                               f"refs/tags/{SERIES.upstream.tag}", "vllm/"],
                              capture_output=True, check=True).stdout
     prefix = site_packages.strip("/")
@@ -192,10 +188,10 @@ def standin_tar(work: Path, repo: Path, site_packages: str, edit: dict[str, byte
     return out
 
 
-def import_standin(client, repo: Path, tmp: Path, tag: str,
+def import_standin(client, cache: Cache, tmp: Path, tag: str,
                    edit: dict[str, bytes]) -> StandIn:
     site = SERIES.image.site_packages
-    tar = standin_tar(tmp, repo, site, edit)
+    tar = standin_tar(tmp, cache, site, edit)
     repository, _, name = tag.rpartition(":")
     client.api.import_image(src=str(tar), repository=repository, tag=name,
                             changes=["ENV PATH=/bin"])
@@ -205,7 +201,7 @@ def import_standin(client, repo: Path, tmp: Path, tag: str,
 @pytest.fixture(scope="session")
 def standin(docker_client, upstream_cache: UpstreamCache, tmp_path_factory) -> StandIn:
     """The pinned upstream vllm/ tree on busybox: no python, seconds to build."""
-    return import_standin(docker_client, upstream_cache.repo_dir,
+    return import_standin(docker_client, upstream_cache.cache,
                           tmp_path_factory.mktemp("standin"),
                           f"e2-standin:{VERSION}", {})
 
@@ -218,7 +214,8 @@ def standin_other_release(docker_client, upstream_cache: UpstreamCache,
     envs = subprocess.run(["git", "-C", str(repo), "show",
                            f"refs/tags/{SERIES.upstream.tag}:vllm/envs.py"],
                           capture_output=True, check=True).stdout
-    return import_standin(docker_client, repo, tmp_path_factory.mktemp("standin-other"),
+    return import_standin(docker_client, upstream_cache.cache,
+                          tmp_path_factory.mktemp("standin-other"),
                           f"e2-standin-other:{VERSION}",
                           {"vllm/envs.py": envs + b"\n# changed in another release\n",
                            "version": b"0.30.9"})

@@ -2,7 +2,8 @@
 and no registry reachable: the README's first command alone must end with an
 image that serves a model through the `docker run` line it prints.
 
-The clone gets its own venv and its own private daemon: E2_DOCKERD_DIR points
+The clone gets its own venv, the tests' cache (make's E2 passes --cache) and
+its own private daemon: E2_DOCKERD_DIR points
 at state this test owns (so the shared daemon is neither seen nor stopped),
 which is stopped before and after the test, so `make image` always finds no
 daemon running. That state is kept between runs, like the shared daemon's: the
@@ -30,8 +31,6 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
-
-from e2.upstream import default_cache_dir
 
 from .conftest import REPO_ROOT, SERIES, VERSION
 
@@ -82,7 +81,7 @@ def _default_socket_answers() -> bool:
 
 
 @pytest.fixture(scope="module")
-def clone(tmp_path_factory, docker_client) -> Clone:
+def clone(tmp_path_factory, docker_client, cache) -> Clone:
     import docker
 
     if _default_socket_answers():
@@ -93,7 +92,7 @@ def clone(tmp_path_factory, docker_client) -> Clone:
         pytest.skip(f"a registry answers for {PINNED}: this test is for a machine without one")
     except docker.errors.DockerException:
         pass
-    state = default_cache_dir() / "test-clean-clone"
+    state = cache.root / "test-clean-clone"
     state.mkdir(parents=True, exist_ok=True)
     work = tmp_path_factory.mktemp("clean-clone")
     root = work / "repo"
@@ -107,7 +106,8 @@ def clone(tmp_path_factory, docker_client) -> Clone:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         env["PATH"] = f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"
         made = Clone(root, env,
-                     [f"PYTHON={venv / 'bin' / 'python'}", f"E2={venv / 'bin' / 'e2'}"],
+                     [f"PYTHON={venv / 'bin' / 'python'}",
+                      f"E2={venv / 'bin' / 'e2'} --cache {cache.root}"],
                      state / "dockerd")
         try:
             yield made

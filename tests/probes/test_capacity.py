@@ -20,6 +20,7 @@ import pytest
 
 from e2 import cli, probe
 from e2.apply import UpstreamOptions
+from e2.cli import GlobalOptions
 from e2.series import Project
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,26 +30,31 @@ MODEL = "Qwen3.5-0.8B"
 
 
 @pytest.fixture(scope="module")
-def venv_python(upstream_cache) -> Path:
+def venv_python(cache) -> Path:
     """The CPU test env's python, made (about 80 s) or reused as by e2 env."""
     from e2 import testenv
     from e2.series import load_series
 
     series = load_series(Path(__file__).resolve().parents[2] / "series.yaml")
-    return testenv.ensure_env(testenv.env_for(upstream_cache.root, series, "cpu")).python
+    return testenv.ensure_env(testenv.env_for(cache, series, "cpu")).python
 
 
-def _e2(capsys, *args: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = cli.main(["probe", "capacity", *args])
-    out, err = capsys.readouterr()
-    return code, out, err
+@pytest.fixture
+def e2_capacity(capsys, cache):
+    """`e2 probe capacity` on this checkout (read only) with the tests' cache."""
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = cli.main(["--project", str(REPO), "--cache", str(cache.root),
+                         "probe", "capacity", *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
 
 
-def _args(upstream_cache, **extra) -> argparse.Namespace:
-    """What the CLI hands probe's functions: the project and the upstream cache."""
-    return argparse.Namespace(project=Project(REPO), upstream=UpstreamOptions(upstream_cache),
-                              **extra)
+def _options(upstream_cache) -> GlobalOptions:
+    """What the CLI hands probe's functions: this checkout and the tests' cache."""
+    return GlobalOptions(Project(REPO), upstream_cache.cache, UpstreamOptions(upstream_cache))
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +64,15 @@ def runtime(venv_python, upstream_cache) -> probe.Runtime:
     missing = subprocess.run([str(python), "-c", "import importlib.util as u; "
                               "print(u.find_spec('torchvision') is None)"],
                              capture_output=True, text=True).stdout.strip() == "True"
-    packages = probe.ensure_image_packages(_args(upstream_cache), python)
+    packages = probe.ensure_image_packages(_options(upstream_cache), python)
     return probe.Runtime(python, None, "stock only in this fixture", missing, packages)
 
 
 @pytest.fixture(scope="module")
 def e2_runtime(upstream_cache) -> probe.Runtime:
     """Stock and E2 (the view of this checkout's overlay) as `e2 probe capacity` runs them."""
-    return probe.make_runtime(_args(upstream_cache, python=None, vllm_path=None,
-                                    stock_only=False))
+    return probe.make_runtime(_options(upstream_cache), argparse.Namespace(
+        python=None, vllm_path=None, stock_only=False))
 
 
 def _settings(**changes) -> probe.Settings:
@@ -150,8 +156,8 @@ def test_align_mode_holds_two_states_per_request(runtime):
     assert row["shared_prefix"]["saturation"] >= row["distinct"]["saturation"]
 
 
-def test_budget_too_small_names_the_minimum(capsys, tmp_path):
-    code, _, err = _e2(capsys, "--model", MODEL, "--budget-gib", "0.25", "--stock-only",
+def test_budget_too_small_names_the_minimum(e2_capacity, tmp_path):
+    code, _, err = e2_capacity("--model", MODEL, "--budget-gib", "0.25", "--stock-only",
                        "--lengths", "128", "--max-model-len", "32768", "--no-record")
     # one request: 61 KV blocks + 3 state blocks, plus the null block, of 6 pages each
     minimum = (61 + 3 + 1) * 6 * 544 * 2048 / GIB
@@ -159,30 +165,30 @@ def test_budget_too_small_names_the_minimum(capsys, tmp_path):
     assert "too small" in err and f"{minimum:.4f} GiB" in err
 
 
-def test_folder_without_config_json(capsys, tmp_path):
-    code, _, err = _e2(capsys, "--model", str(tmp_path), "--no-record")
+def test_folder_without_config_json(e2_capacity, tmp_path):
+    code, _, err = e2_capacity("--model", str(tmp_path), "--no-record")
     assert code == 1 and "no config.json" in err
 
 
-def test_missing_architectures_key(capsys, tmp_path):
+def test_missing_architectures_key(e2_capacity, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
-    code, _, err = _e2(capsys, "--model", str(tmp_path), "--no-record")
+    code, _, err = e2_capacity("--model", str(tmp_path), "--no-record")
     assert code == 1 and "`architectures`" in err
 
 
-def test_unknown_architecture(capsys, tmp_path):
+def test_unknown_architecture(e2_capacity, tmp_path):
     model = tmp_path / "m"
     shutil.copytree(probe.ZOO / MODEL, model)
     data = json.loads((model / "config.json").read_text())
     data["architectures"] = ["NoSuchHybridForCausalLM"]
     (model / "config.json").write_text(json.dumps(data))
-    code, _, err = _e2(capsys, "--model", str(model), "--stock-only", "--no-record")
+    code, _, err = e2_capacity("--model", str(model), "--stock-only", "--no-record")
     assert code == 1
     assert "`architectures`" in err and "NoSuchHybridForCausalLM" in err
 
 
-def test_tp_must_divide_heads(capsys):
-    code, _, err = _e2(capsys, "--model", MODEL, "--tp", "3", "--stock-only",
+def test_tp_must_divide_heads(e2_capacity):
+    code, _, err = e2_capacity("--model", MODEL, "--tp", "3", "--stock-only",
                        "--no-record")
     assert code == 1
     assert "tensor parallel size 3" in err and "num_attention_heads=8" in err
@@ -254,11 +260,11 @@ def test_capability_must_be_major_minor(capsys):
     assert "MAJOR.MINOR" in capsys.readouterr().err
 
 
-def test_e2_cuts_attention_at_the_selected_backends_block(capsys, tmp_path):
+def test_e2_cuts_attention_at_the_selected_backends_block(e2_capacity, tmp_path):
     """With fp8 on a 3090 (FlashInfer), stock plans 1072-token attention blocks; E2
     (patch 0002) cuts them into FlashInfer's smallest kernel block, 16, and holds more
     requests of 4k tokens. The record names the version, digest, command and backend."""
-    code, _, err = _e2(capsys, "--model", MODEL, "--kv-dtype", "fp8", "--lengths", "4096",
+    code, _, err = e2_capacity("--model", MODEL, "--kv-dtype", "fp8", "--lengths", "4096",
                        "--results", str(tmp_path))
     assert code == 0, err
     [record_file] = tmp_path.glob("capacity-*.json")
@@ -289,7 +295,7 @@ def test_e2_cuts_attention_at_the_selected_backends_block(capsys, tmp_path):
     assert (tmp_path / record_file.name.replace(".json", ".md")).is_file()
 
 
-def test_matrix_resumes_and_renders(e2_runtime, upstream_cache, tmp_path):
+def test_matrix_resumes_and_renders(e2_runtime, tmp_path):
     """Each run's JSON is kept; a rerun only runs what is missing or failed, and the
     baseline renders from what is on disk."""
     scenarios = [(MODEL, _settings(lengths=(128,)))]
@@ -303,7 +309,7 @@ def test_matrix_resumes_and_renders(e2_runtime, upstream_cache, tmp_path):
     results = probe.run_matrix(e2_runtime, tmp_path, scenarios)
     assert stock_file.stat().st_mtime_ns == kept
     assert json.loads(e2_file.read_text())["ok"] is True
-    record = probe.matrix_record(_args(upstream_cache), e2_runtime, tmp_path, scenarios,
+    record = probe.matrix_record(Project(REPO), e2_runtime, tmp_path, scenarios,
                                  results)
     record["record"] = "capacity.json"
     [run] = record["runs"]
@@ -351,11 +357,11 @@ def test_matrix_covers_the_issues_scenarios():
                for _, s in scenarios)
 
 
-def test_boot_reads_the_engines_kv_line_stock_and_e2(capsys, tmp_path):
+def test_boot_reads_the_engines_kv_line_stock_and_e2(e2_capacity, tmp_path):
     """--boot starts the real engine on the config-only model (dummy weights) for each
     side and records its boot line; with the budget passed as KV bytes, the tokens
     follow from the CPU engine's own geometry, and both sides agree."""
-    code, _, err = _e2(capsys, "--model", MODEL, "--boot", "--lengths", "128",
+    code, _, err = e2_capacity("--model", MODEL, "--boot", "--lengths", "128",
                        "--max-model-len", "4096", "--max-num-seqs", "8", "--budget-gib", "2",
                        "--results", str(tmp_path))
     assert code == 0, err
@@ -369,17 +375,17 @@ def test_boot_reads_the_engines_kv_line_stock_and_e2(capsys, tmp_path):
     assert (stock["tokens"], e2["tokens"]) == (86_016, 90_178)
     assert f"{stock['tokens']:,} tokens" in stock["kv_line"]
     assert "## Boot line" in record_file.with_suffix(".md").read_text()
-    code, _, err = _e2(capsys, "--model", MODEL, "--boot", "--tp", "2", "--stock-only",
+    code, _, err = e2_capacity("--model", MODEL, "--boot", "--tp", "2", "--stock-only",
                        "--lengths", "128", "--no-record")
     assert code == 1 and "--boot runs one engine process on this host" in err
 
 
-def test_docker_options_need_boot_and_an_engine(capsys, monkeypatch):
-    code, _, err = _e2(capsys, "--model", MODEL, "--docker", "--no-record")
+def test_docker_options_need_boot_and_an_engine(e2_capacity, monkeypatch):
+    code, _, err = e2_capacity("--model", MODEL, "--docker", "--no-record")
     assert code == 1 and "go with --boot" in err
-    code, _, err = _e2(capsys, "--model", MODEL, "--boot", "--gpus", "all", "--no-record")
+    code, _, err = e2_capacity("--model", MODEL, "--boot", "--gpus", "all", "--no-record")
     assert code == 1 and "go with --docker" in err
     monkeypatch.setenv("DOCKER_HOST", "tcp://127.0.0.1:9")
-    code, _, err = _e2(capsys, "--model", MODEL, "--boot", "--docker", "--stock-only",
+    code, _, err = e2_capacity("--model", MODEL, "--boot", "--docker", "--stock-only",
                        "--lengths", "128", "--no-record")
     assert code == 1 and "no Docker daemon reachable at tcp://127.0.0.1:9" in err

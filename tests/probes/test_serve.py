@@ -14,24 +14,35 @@ from pathlib import Path
 
 import pytest
 
+from conftest import copy_checkout
 from e2 import cli
 from e2.probes import serve
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """A copy of this checkout: the probe keeps its engines' logs under the project's .e2/."""
+    return copy_checkout(tmp_path_factory.mktemp("serve-project") / "project")
 
 
-def _main(capsys, *args: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = cli.main(["--project", str(REPO_ROOT), "probe", "serve", *args])
-    out, err = capsys.readouterr()
-    return code, out, err
+@pytest.fixture
+def serve_main(capsys, cache, project):
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = cli.main(["--project", str(project), "--cache", str(cache.root),
+                         "probe", "serve", *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
 
 
 @pytest.fixture(scope="module")
-def probe_run(tmp_path_factory) -> dict:
+def probe_run(tmp_path_factory, cache, project) -> dict:
     # the CPU test env is made (or reused) by the probe itself, as e2 env would
     report = tmp_path_factory.mktemp("serve")
-    code = cli.main(["--project", str(REPO_ROOT), "probe", "serve", "--report", str(report)])
+    code = cli.main(["--project", str(project), "--cache", str(cache.root), "probe", "serve",
+                     "--report", str(report)])
     record = json.loads((report / "serve-cpu.json").read_text())
     return {"code": code, "record": record, "report": report,
             "markdown": (report / "serve-cpu.md").read_text()}
@@ -157,9 +168,9 @@ def test_cases_follow_the_block_size_and_capacity():
     assert prefix.prompts[0][shared:] != prefix.prompts[1][shared:]
 
 
-def test_unreachable_docker_host_is_a_clear_error(capsys, monkeypatch):
+def test_unreachable_docker_host_is_a_clear_error(serve_main, monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", "tcp://127.0.0.1:9")
-    code, _, err = _main(capsys, "--docker", "--stock-image", "vllm/vllm-openai:v0.31.0",
+    code, _, err = serve_main("--docker", "--stock-image", "vllm/vllm-openai:v0.31.0",
                          "--e2-image", "vllm-e2:test", "--gpus", "all", "--tp", "2",
                          "--no-record")
     assert code == 1
@@ -168,11 +179,11 @@ def test_unreachable_docker_host_is_a_clear_error(capsys, monkeypatch):
     assert "Traceback" not in err
 
 
-def test_docker_only_options_without_docker_are_refused(capsys):
-    code, _, err = _main(capsys, "--gpus", "all", "--no-record")
+def test_docker_only_options_without_docker_are_refused(serve_main):
+    code, _, err = serve_main("--gpus", "all", "--no-record")
     assert code == 1 and "go with --docker" in err
 
 
-def test_a_tensor_parallel_size_the_model_cannot_split_over_is_refused(capsys):
-    code, _, err = _main(capsys, "--docker", "--gpus", "all", "--tp", "3", "--no-record")
+def test_a_tensor_parallel_size_the_model_cannot_split_over_is_refused(serve_main):
+    code, _, err = serve_main("--docker", "--gpus", "all", "--tp", "3", "--no-record")
     assert code == 1 and "--tp 3" in err and "1, 2, 4" in err

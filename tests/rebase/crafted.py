@@ -51,7 +51,7 @@ def _craft(e2: E2) -> None:
     repo = e2.worktree()
     real = next((REPO_ROOT / "patches").glob("0001-*.patch"))
     repo.git.am(str(real))
-    cache_repo = git.Repo(e2.cache.repo_dir)
+    cache_repo = git.Repo(e2.cache.upstream_repo)
     upstream_change = cache_repo.git.diff("refs/tags/v0.31.0", "refs/tags/v0.32.0", "--",
                                           "vllm/device_allocator/__init__.py")
     (e2.root / "obsolete.diff").write_text(upstream_change + "\n")

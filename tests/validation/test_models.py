@@ -10,6 +10,7 @@ import git
 import pytest
 
 from e2 import models
+from e2.cache import Cache
 from e2.errors import E2Error
 from e2.validate import DEFAULT_SUITES
 from validation_helpers import cpu_env  # noqa: F401 (fixture)
@@ -72,12 +73,13 @@ def test_bad_model_file_is_named(tmp_path, monkeypatch):
     folder = tmp_path / "models" / "org" / "broken"
     folder.mkdir(parents=True)
     (folder / "config.json").write_text('{"architectures": ["X"],\n  "hidden_size": }\n')
+    cache = Cache(tmp_path / "cache")
     with pytest.raises(E2Error, match=r"org/broken/config.json:2:\d+: invalid JSON"):
-        models.build_store(tmp_path / "cache", python=sys.executable)
+        models.build_store(cache, python=sys.executable)
     (folder / "config.json").write_text('{"hidden_size": 8}\n')
     with pytest.raises(E2Error, match="org/broken has neither `architectures` nor `model_type`"):
-        models.build_store(tmp_path / "cache", python=sys.executable)
-    assert not any((tmp_path / "cache" / "hub-stores").glob(f"*/{models.DONE}"))
+        models.build_store(cache, python=sys.executable)
+    assert not any(cache.hub_stores.glob(f"*/{models.DONE}"))
 
 
 @pytest.mark.slow
@@ -124,8 +126,8 @@ NEED_TORCHVISION = {"llava-hf/llava-1.5-7b-hf", "Qwen/Qwen2.5-VL-3B-Instruct"}
 @pytest.mark.slow
 def test_vllm_loads_every_stored_model_offline(cpu_env, tmp_path):
     """vLLM's own ModelConfig (and tokenizer loader) resolve every id from the store alone."""
-    store = models.build_store(tmp_path, cpu_env.python)
-    assert models.build_store(tmp_path, cpu_env.python) == store  # reused, not rebuilt
+    store = models.build_store(Cache(tmp_path), cpu_env.python)
+    assert models.build_store(Cache(tmp_path), cpu_env.python) == store  # reused, not rebuilt
     ids = sorted(models.IdsFile.load().models)
     with_tokenizer = [i for i in ids if (models.model_dir(i) / models.TOKENIZER_SPEC).is_file()]
     env = {**cpu_env.run_env(None), "HF_HUB_CACHE": str(store)}

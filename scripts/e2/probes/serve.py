@@ -55,11 +55,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from filelock import FileLock
 from rich.markup import escape
 from rich.table import Table
 
 from e2 import console
+from e2.cache import Cache
 from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.series import Project, Series, series_digest
@@ -67,6 +67,8 @@ from e2.series import Project, Series, series_digest
 if TYPE_CHECKING:
     from docker import DockerClient
     from docker.models.containers import Container
+
+    from e2.cli import GlobalOptions
 
 HERE = Path(__file__).resolve().parent
 WRITER = HERE / "tiny_model.py"
@@ -172,13 +174,13 @@ def model_key(seed: int) -> str:
     return hashlib.sha256(WRITER.read_bytes() + f"seed={seed}".encode()).hexdigest()[:12]
 
 
-def ensure_model(python: Path, cache_root: Path, seed: int = SEED) -> Path:
-    """The tiny model under the cache dir, written once by ``python`` (torch + transformers)."""
-    model = cache_root / "models" / f"tiny-qwen3-next-{model_key(seed)}"
+def ensure_model(python: Path, cache: Cache, seed: int = SEED) -> Path:
+    """The tiny model in the cache, written once by ``python`` (torch + transformers)."""
+    model = cache.models / f"tiny-qwen3-next-{model_key(seed)}"
     if (model / "e2-tiny-model.json").is_file():
         return model
     model.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(model) + ".lock"):
+    with Cache.lock(model):
         if (model / "e2-tiny-model.json").is_file():
             return model
         with console.status("writing the tiny model"):
@@ -925,8 +927,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run_serve)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    project: Project = args.project
+def run_serve(options: GlobalOptions, args: argparse.Namespace) -> int:
+    project = options.project
     series = project.load()
     started = time.monotonic()
     if args.tp not in TP_SIZES:
@@ -939,7 +941,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.docker:
         runner, model, name = _docker_runner(args, project, series, logs)
     else:
-        runner, model, name = _local_runner(args, project, series, logs)
+        runner, model, name = _local_runner(args, options.cache, project, series, logs)
     plan: dict[str, int] = {}
     modes = tuple(m for m in MODES if m in (args.modes or MODES))
     sides = {side: run_side(runner, side, plan, modes) for side in SIDES}
@@ -951,15 +953,15 @@ def run_serve(args: argparse.Namespace) -> int:
     return conclude(record, report, name)
 
 
-def _local_runner(args: argparse.Namespace, project: Project, series: Series,
+def _local_runner(args: argparse.Namespace, cache: Cache, project: Project, series: Series,
                   logs: Path) -> tuple[LocalRunner, str, str]:
     from e2.testenv import prepare
 
     if args.tp != 1:
         raise E2Error("--tp above 1 needs --docker (the local CPU engine runs one worker)")
-    env, view = prepare(project, series, args.upstream.cache.root, "cpu", overlay=True)
+    env, view = prepare(project, series, cache, "cpu", overlay=True)
     assert view is not None
-    model = ensure_model(env.python, args.upstream.cache.root)
+    model = ensure_model(env.python, cache)
     run_env = {"stock": env.run_env(None), "e2": env.run_env(view.path)}
     runner = LocalRunner(env.python, view.path, run_env, model, logs, 1, args.kv_cache_bytes)
     return runner, str(model), "serve-cpu"
