@@ -46,9 +46,9 @@ from e2.series import (
     Series,
     Upstream,
     load_series,
-    render_series,
     slugify,
 )
+from e2.series_yaml import render_series
 from e2.verify import verify
 
 VERDICTS = ("still-needed", "obsolete", "re-expressed", "dropped")
