@@ -178,13 +178,23 @@ def validation_checks(args: argparse.Namespace) -> list:
     checks = []
     suites = [arg for suite in args.validate_suite or () for arg in ("--suite", suite)]
     for verb in (["test", "seam"], ["test", "upstream", *suites]):
-        command = [sys.executable, "-m", "e2.cli", "--project", str(args.project.root), *verb]
+        command = [sys.executable, "-m", "e2.cli", "--project", str(args.project.root),
+                   *upstream_arguments(args.upstream), *verb]
         result = subprocess.run(command, capture_output=True, text=True)
         check = Check("e2 " + " ".join(verb[:2]))
         if result.returncode != 0:
             check.problems.append((result.stdout + result.stderr).strip()[-2000:])
         checks.append(check)
     return checks
+
+
+def upstream_arguments(upstream: UpstreamOptions) -> list[str]:
+    """The global options that reach upstream, as given to this rebase: the e2
+    commands it starts must use the same cache, source and local tree."""
+    arguments = ["--cache", str(upstream.cache.root), "--source", upstream.source]
+    if upstream.local is not None:
+        arguments += ["--upstream", str(upstream.local)]
+    return arguments
 
 
 def _print_stop(rebase: Rebase, state: RebaseState) -> None:
