@@ -29,7 +29,8 @@ from e2.gitops import (
     stable_git,
     worktree_base,
 )
-from e2.series import Patch, Project, Series, render_series, slugify
+from e2.series import Patch, Project, Series, slugify
+from e2.series_yaml import render_series
 
 if TYPE_CHECKING:
     from e2.cli import GlobalOptions

@@ -1,0 +1,74 @@
+"""The end of a rebase: the rebased commits written back as ``patches/``,
+``series.yaml`` pinned to the new release (the base image tag moved with it,
+its digest unpinned), ``overlay/`` and the ``Dockerfile`` regenerated.
+"""
+
+from __future__ import annotations
+
+from e2.errors import E2Error
+from e2.faults import checkpoint
+from e2.fsio import replace_dir, write_atomic
+from e2.gitops import commit_summary
+from e2.rebase_state import APPLIED, Rebase, RebaseState
+from e2.series import Project, Series, Upstream, slugify
+from e2.series_yaml import render_series
+
+
+def finish(rebase: Rebase, state: RebaseState, series: Series) -> Series:
+    """Write the rebased series, overlay and Dockerfile; return the new series."""
+    from e2.export import format_patches
+    from e2.overlay import ScratchTree, plan_overlay, write_overlay
+
+    state.phase = "finishing"
+    state.save(rebase.state_file)
+    repo = rebase.repo()
+    target = Upstream.model_validate(state.target)
+    formatted = format_patches(repo, f"refs/tags/{target.tag}")
+    kept = [p for p in state.patches if p.status in APPLIED]
+    if len(formatted) != len(kept):
+        raise E2Error(f"{rebase.work} has {len(formatted)} commits on {target.tag}, the "
+                      f"rebase applied {len(kept)} patches",
+                      hint="e2 rebase --abort, then start again")
+    old_entries = {p.id: p for p in series.patches}
+    entries, contents = [], {}
+    for number, (patch_state, (commit, text)) in enumerate(zip(kept, formatted), start=1):
+        entry = old_entries[patch_state.id].model_dump(mode="json")
+        entry["id"] = f"{number:04d}"
+        entry["title"] = commit_summary(commit)
+        entry["file"] = f"{entry['id']}-{slugify(entry['title'])}.patch"
+        contents[entry["file"]] = text
+        entries.append(entry)
+    data = series.model_dump(mode="json")
+    data["upstream"] = {**state.target, "git": (
+        {"remote": series.upstream.git.remote, "commit": None} if series.upstream.git else None)}
+    data["image"]["base"] = retag_base(series.image.base, target.tag)
+    data["image"]["digest"] = None  # unpinned until someone pins the new base
+    data["patches"] = entries
+    new_series = Series.model_validate(data)
+    checkpoint("before-write")
+    replace_dir(rebase.project.patches_dir, contents)
+    previous = (rebase.backup / "series.yaml").read_text(encoding="utf-8")
+    write_atomic(rebase.project.series_file,
+                 render_series(new_series.model_dump(mode="json"), previous))
+    checkpoint("after-series")
+    with ScratchTree(rebase.project, new_series, rebase.upstream_options()) as tree:
+        plan = plan_overlay(new_series, rebase.project, tree)
+    write_overlay(rebase.project, plan)
+    _write_dockerfile(rebase.project, new_series, plan.manifest)
+    return new_series
+
+
+def retag_base(base: str, tag: str) -> str:
+    """vllm/vllm-openai:v0.31.0 -> vllm/vllm-openai:v0.32.0 (digest dropped)."""
+    name = base.split("@", 1)[0]
+    repository = name.rsplit(":", 1)[0] if ":" in name.rsplit("/", 1)[-1] else name
+    return f"{repository}:{tag}"
+
+
+def _write_dockerfile(project: Project, series: Series, manifest: dict) -> None:
+    try:
+        from e2.image import render_dockerfile
+    except ImportError:  # a checkout without the image half
+        return
+    if (project.root / "images").is_dir():
+        write_atomic(project.root / "Dockerfile", render_dockerfile(project, series, manifest))

@@ -1,0 +1,171 @@
+"""The on-disk side of one rebase: ``.e2/rebase/state.json`` and its model, the
+paths under ``.e2/rebase``, and the backup of the files a rebase rewrites.
+
+The state is written atomically after every step, so a rebase killed at any
+point resumes from it; the backup is what ``--abort`` puts back.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import git
+from pydantic import TypeAdapter, ValidationError
+
+from e2.apply import UpstreamOptions
+from e2.errors import E2Error
+from e2.fsio import read_tree, replace_dir, write_atomic
+from e2.series import Project, Series, load_series
+
+VERDICTS = ("still-needed", "obsolete", "re-expressed", "dropped")
+APPLIED = ("clean", "offset", "merged", "resolved")
+DROPPED = ("obsolete", "dropped")
+GUARDED = ("series.yaml", "patches", "overlay", "Dockerfile")
+
+
+@dataclass
+class Conflict:
+    file: str
+    hunks: list[dict]                    # {"line", "ours", "base", "theirs"}
+    verdicts: list[dict] = field(default_factory=list)   # {"verdict", "reason"} per hunk
+
+
+@dataclass
+class PatchState:
+    id: str
+    title: str
+    file: str
+    status: str = "pending"   # pending applying clean offset merged resolved obsolete dropped conflict
+    notes: list[str] = field(default_factory=list)
+    reason: str | None = None
+    old_commit: str | None = None
+    new_commit: str | None = None
+    conflicts: list[Conflict] = field(default_factory=list)
+    replayed: bool = False    # resolved by a recorded resolution (rerere)
+
+
+@dataclass
+class RebaseState:
+    source: dict              # the pin rebased from (Upstream as json)
+    target: dict              # the pin rebased onto
+    patches: list[PatchState]
+    phase: str = "applying"   # applying | conflict | obsolete | finishing
+    drop_obsolete: bool = False
+
+    def current(self) -> PatchState | None:
+        return next((p for p in self.patches if p.status not in APPLIED + DROPPED), None)
+
+    @classmethod
+    def load(cls, path: Path) -> RebaseState:
+        """The state file, checked against the dataclasses above as its schema."""
+        hint = ("the rebase state is damaged: e2 rebase --abort puts everything back, "
+                "then start again")
+        try:
+            return TypeAdapter(cls).validate_json(path.read_bytes())
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+            raise E2Error(f"{path}: {where}: {first['msg']}", hint=hint) from None
+
+    def save(self, path: Path) -> None:
+        write_atomic(path, json.dumps(asdict(self), indent=2) + "\n")
+
+
+class Rebase:
+    """Paths and on-disk state of one rebase of one project."""
+
+    def __init__(self, project: Project, upstream: UpstreamOptions | None):
+        # upstream None: a Rebase that only reads the state (e2 status)
+        self.project, self.upstream = project, upstream
+        self.dir = project.state_dir / "rebase"
+        self.state_file = self.dir / "state.json"
+        self.backup = self.dir / "backup"
+        self.backup_index = self.backup / "SAVED.json"
+        self.work = self.dir / "work"
+        self.rr_cache = project.state_dir / "rr-cache"
+        self.verdict_memory = self.rr_cache / "e2-verdicts.json"
+
+    # -- guards
+
+    def in_progress(self) -> bool:
+        return self.state_file.is_file()
+
+    def load(self) -> RebaseState:
+        if not self.in_progress():
+            raise E2Error("no rebase in progress", hint="start one with: e2 rebase --onto VERSION")
+        return RebaseState.load(self.state_file)
+
+    def repo(self) -> git.Repo:
+        return git.Repo(self.work)
+
+    def upstream_options(self) -> UpstreamOptions:
+        assert self.upstream is not None, "this Rebase was made to read the state only"
+        return self.upstream
+
+    def backup_series(self) -> Series:
+        """The series as it was when the rebase started (its metadata rides along)."""
+        return load_series(self.backup / "series.yaml")
+
+    def require_committed(self) -> None:
+        try:
+            repo = git.Repo(self.project.root)
+        except git.InvalidGitRepositoryError:
+            return  # not a git checkout: nothing to compare against
+        dirty = repo.git.status("--porcelain", "--", *GUARDED).splitlines()
+        if dirty:
+            raise E2Error("uncommitted changes to the series:\n  " + "\n  ".join(dirty),
+                          hint="commit or stash them first: a rebase rewrites these files")
+
+    # -- the backup --abort restores from
+
+    def save_backup(self) -> None:
+        self.backup.mkdir(parents=True, exist_ok=True)
+        saved = []
+        for name in GUARDED:
+            source = self.project.root / name
+            if source.is_dir():
+                shutil.copytree(source, self.backup / name)
+            elif source.is_file():
+                shutil.copy2(source, self.backup / name)
+            else:
+                continue
+            saved.append(name)
+        # written last: --abort restores only from a backup that says it is whole
+        write_atomic(self.backup_index, json.dumps(saved) + "\n")
+
+    def _check_backup(self) -> list[str]:
+        """The names the backup holds; refused unless every one of them is there."""
+        hint = (f"restore them from git instead (git checkout -- {' '.join(GUARDED)}), "
+                f"then remove {self.dir}")
+        try:
+            saved = json.loads(self.backup_index.read_text())
+        except (OSError, ValueError):
+            raise E2Error(f"the rebase backup in {self.backup} is incomplete (no "
+                          f"{self.backup_index.name}); --abort would not put everything back",
+                          hint=hint) from None
+        missing = [name for name in saved if not (self.backup / name).exists()]
+        if "series.yaml" not in saved or missing:
+            raise E2Error(f"the rebase backup in {self.backup} is incomplete (missing: "
+                          f"{', '.join(missing) or 'series.yaml'}); --abort would not put "
+                          "everything back", hint=hint)
+        return saved
+
+    def abort(self) -> None:
+        self._check_backup()
+        for name in GUARDED:
+            saved, target = self.backup / name, self.project.root / name
+            if saved.is_dir():
+                replace_dir(target, read_tree(saved))
+            elif saved.is_file():
+                write_atomic(target, saved.read_bytes())
+            elif target.is_file():
+                target.unlink()  # the rebase created it
+            elif target.is_dir():
+                shutil.rmtree(target)
+        shutil.rmtree(self.dir)
+
+    def done(self) -> None:
+        shutil.rmtree(self.dir)
