@@ -4,9 +4,9 @@ renders it must give exactly the text kept beside it (data/<case>.md).
 The records are real ones (a rebase on crafted releases, the seam and upstream
 runs, a capacity probe with boot lines, four runs of the capacity baseline), cut
 to a few entries; the variants change what the real ones lack (no conflicts, a
-failing check, regressions of several classes, a stock-only record, a matrix
-with nothing flagged) so that every line of every template is in some expected
-text. Any change to a template's output fails here; when the change is meant,
+merge base in a hunk, a failing check, regressions of several classes, a
+stock-only record, a matrix with nothing flagged) so that every line of every
+template is in some expected text. Any change to a template's output fails here; when the change is meant,
 the expected file changes with it in the same commit.
 """
 
@@ -41,6 +41,15 @@ def rebase_quiet() -> dict:
     report["patches"][0]["replayed"] = True
     report["upstream_changes"] = []
     report["verify"][0]["ok"] = False
+    return report
+
+
+def rebase_with_merge_base() -> dict:
+    """A conflict whose hunk carries the merge base's lines (diff3 style)."""
+    report = _load("rebase-skip-0.31.0-to-0.32.0.json")
+    [conflict] = [c for patch in report["patches"] for c in patch["conflicts"]]
+    conflict["hunks"][0]["base"] = ["    def run_engine_core(*args, **kwargs):",
+                                    "        engine_core = None"]
     return report
 
 
@@ -138,6 +147,7 @@ CASES: dict[str, Callable[[], str]] = {
     "rebase-skip": lambda: rebase_report.render_markdown(
         _load("rebase-skip-0.31.0-to-0.32.0.json")),
     "rebase-quiet": lambda: rebase_report.render_markdown(rebase_quiet()),
+    "rebase-merge-base": lambda: rebase_report.render_markdown(rebase_with_merge_base()),
     "seam": lambda: validate.seam_markdown(*seam_inputs()),
     "seam-failing": lambda: validate.seam_markdown(*seam_inputs(failing=True)),
     "upstream": lambda: _upstream(upstream_inputs()),
