@@ -24,9 +24,25 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from worker_planner import GIB, Job, build_config, build_specs, check_tp, plan
-from worker_target import ProbeInputError, emulate_cuda, load_model_classes, parse_capability
-from worker_workload import ideal_concurrency, run_workload
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:  # PYTHONSAFEPATH (-P) leaves the script's folder off sys.path
+    sys.path.append(HERE)  # appended: nothing here may shadow a module vLLM imports
+
+from worker_planner import (  # noqa: E402
+    GIB,
+    Job,
+    build_config,
+    build_specs,
+    check_tp,
+    plan,
+)
+from worker_target import (  # noqa: E402
+    ProbeInputError,
+    emulate_cuda,
+    load_model_classes,
+    parse_capability,
+)
+from worker_workload import ideal_concurrency, run_workload  # noqa: E402
 
 
 def _parse() -> argparse.Namespace:
