@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2 import testenv  # noqa: E402
 from e2.cache import Cache  # noqa: E402
 from e2.errors import E2Error  # noqa: E402
-from e2.probe import ZOO, Runtime  # noqa: E402
+from e2.probes.capacity import ZOO  # noqa: E402
+from e2.probes.runtime import Runtime  # noqa: E402
 from e2.series import Project  # noqa: E402
 from scheduler_workload import WorkloadSpec, step_ratio  # noqa: E402
 

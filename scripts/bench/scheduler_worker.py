@@ -5,7 +5,7 @@ logs to stdout, so stdout is left to it). Not imported by the driver.
 
 The KV cache is planned as the capacity probe plans it (a CUDA boot's
 VllmConfig from a zoo config.json, vLLM's own ``get_kv_cache_configs``); the
-functions are capacity_worker's own.
+functions are the capacity worker's own (worker_target.py, worker_planner.py).
 
 * ``steps``: a saturated stream (the waiting queue never runs dry); reads
   ``{"steps": N}`` lines on stdin and answers each with the time of
@@ -37,7 +37,9 @@ HERE = Path(__file__).resolve().parent
 # Appended, not prepended: neither folder may shadow a module vLLM imports.
 sys.path += [str(HERE), str(HERE.parent / "e2" / "probes")]
 
-import capacity_worker  # noqa: E402
+import worker_planner  # noqa: E402
+import worker_target  # noqa: E402
+import worker_workload  # noqa: E402
 from scheduler_workload import RequestShape, WorkloadSpec, arrivals, stream  # noqa: E402
 
 MAX_STEPS = 2_000_000
@@ -73,8 +75,8 @@ def _emulate_target(model: Path) -> None:
     if _TARGET_EMULATED:
         return
     config = json.loads((model / "config.json").read_text())
-    capacity_worker.load_model_classes(config["architectures"])
-    capacity_worker.emulate_cuda("8.6")
+    worker_target.load_model_classes(config["architectures"])
+    worker_target.emulate_cuda("8.6")
     _TARGET_EMULATED = True
 
 
@@ -93,15 +95,15 @@ class SchedulerHarness:
 
         # The KV cache a CUDA boot on the RTX 3090 plans, as the capacity probe's.
         _emulate_target(Path(args.model))
-        job = capacity_worker.Job(
+        job = worker_planner.Job(
             out=Path(os.devnull), budget_gib=args.budget_gib, tp=1,
             max_num_seqs=args.max_num_seqs, max_model_len=spec.max_model_len,
             kv_dtype="auto", mamba_cache_mode=args.mamba_cache_mode, lengths=(),
             max_num_batched_tokens=args.max_num_batched_tokens)
-        vllm_config, backend, _ = capacity_worker.build_config(job, Path(args.model))
-        specs, _ = capacity_worker.build_specs(vllm_config, backend)
-        kv_config, self.planner = capacity_worker.plan(
-            vllm_config, backend, specs, int(args.budget_gib * capacity_worker.GIB))
+        vllm_config, backend, _ = worker_planner.build_config(job, Path(args.model))
+        specs, _ = worker_planner.build_specs(vllm_config, backend)
+        kv_config, self.planner = worker_planner.plan(
+            vllm_config, backend, specs, int(args.budget_gib * worker_planner.GIB))
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, vllm_config)
         # log_stats as an engine runs by default: usage and prefix-cache stats each step.
         self.scheduler = Scheduler(
@@ -125,7 +127,7 @@ class SchedulerHarness:
         self.batch_sizes: list[int] = []
         # The fake model: a constant token, or (faults mode) one that follows
         # from the request's history.
-        self.next_token = lambda request: capacity_worker.FAKE_TOKEN
+        self.next_token = lambda request: worker_workload.FAKE_TOKEN
         self.scheduled_tokens: list[int] = []
         # As EngineCore does once its scheduler exists: the startup heap (the
         # pool's block objects among it) leaves the collector's oldest generation,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import git
 
+from e2 import reports
 from e2.fsio import write_atomic
 from e2.series import Series, series_digest
 
@@ -79,56 +80,19 @@ def _shortstat(repo: git.Repo, base: str, head: str) -> dict:
 
 
 def render_markdown(report: dict) -> str:
-    old, new = report["from"]["version"], report["to"]["version"]
-    out = [f"# Rebase of the E2 series: vLLM {old} -> {new}", ""]
-    out += [f"Series digest {report['series_digest']['before'][:12]} -> "
-            f"{report['series_digest']['after'][:12]}.", "", "## Summary", "",
-            "| status | patches |", "|---|---|"]
-    out += [f"| {status} | {count} |" for status, count in report["summary"].items()]
-    before, after = report["footprint"]["before"], report["footprint"]["after"]
-    out += ["", "What the series changes against upstream:", "",
-            "| | files | lines added | lines removed |", "|---|---|---|---|",
-            f"| on {old} | {before['files']} | {before['added']} | {before['removed']} |",
-            f"| on {new} | {after['files']} | {after['added']} | {after['removed']} |", "",
-            "## Patches", ""]
-    for patch in report["patches"]:
-        out.append(f"### {patch['id']} {patch['title']}: {patch['status']}")
-        out.append("")
-        out += [f"- {note}" for note in patch["notes"]]
-        if patch["reason"]:
-            out.append(f"- reason: {patch['reason']}")
-        if patch["replayed"]:
-            out.append("- resolved by a recorded resolution (git rerere)")
-        if patch["range_diff"]:
-            out += ["", "range-diff (before -> after):", "", "```", patch["range_diff"], "```"]
-        out.append("")
-    conflicted = [(p, c) for p in report["patches"] for c in p["conflicts"]]
-    out += ["## Conflicts", ""]
-    if not conflicted:
-        out += ["None.", ""]
-    for patch, conflict in conflicted:
-        out += [f"### {conflict['file']} (patch {patch['id']})", ""]
-        for number, hunk in enumerate(conflict["hunks"], start=1):
-            verdict = (conflict["verdicts"][number - 1] if number <= len(conflict["verdicts"])
-                       else {"verdict": "(none)", "reason": ""})
-            out += [f"Hunk {number}, line {hunk['line']}: **{verdict['verdict']}**: "
-                    f"{verdict['reason']}", "", f"upstream {new}:", "", "```",
-                    *hunk["ours"], "```", "", "merge base:", "", "```", *hunk["base"], "```",
-                    "", "the patch:", "", "```", *hunk["theirs"], "```", ""]
-        if conflict.get("resolution"):
-            out += ["Resolution as committed:", "", "```diff", conflict["resolution"], "```", ""]
-    out += ["## Upstream changes to the files the series touches", "",
-            f"Changed between {old} and {new}; re-read these when reviewing the rebase.", ""]
-    if report["upstream_changes"]:
-        out += ["| file | lines added | lines removed |", "|---|---|---|"]
-        out += [f"| {c['file']} | {c['added']} | {c['removed']} |"
-                for c in report["upstream_changes"]]
-    else:
-        out.append("None.")
-    out += ["", "## Verification", ""]
-    out += [f"- {'ok' if c['ok'] else 'FAIL'}: {c['check']}" for c in report["verify"]]
-    out += ["", "## Next", "", *[f"- `{step}`" for step in report["next"]], ""]
-    return "\n".join(out)
+    return reports.render("rebase.md.j2", report=report, conflicts=_conflicts(report))
+
+
+def _conflicts(report: dict) -> list[dict]:
+    """Every conflicted file, its patch, and each hunk beside its verdict ("(none)"
+    for a hunk that has none)."""
+    missing = {"verdict": "(none)", "reason": ""}
+    return [{"patch": patch["id"], "file": conflict["file"],
+             "resolution": conflict.get("resolution") or "",
+             "hunks": [(hunk, conflict["verdicts"][index]
+                        if index < len(conflict["verdicts"]) else missing)
+                       for index, hunk in enumerate(conflict["hunks"])]}
+            for patch in report["patches"] for conflict in patch["conflicts"]]
 
 
 def write(rebase: Rebase, state: RebaseState, old: Series, new: Series,

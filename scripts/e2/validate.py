@@ -23,11 +23,9 @@ import argparse
 import datetime
 import json
 import os
-import re
 import subprocess
 import tempfile
 import time
-import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,11 +33,12 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from e2 import console
+from e2 import console, reports
 from e2.apply import UpstreamOptions, apply_series
 from e2.classify import CLASSES, FAILING, Verdict, classify, counts
 from e2.errors import E2Error
 from e2.fsio import write_atomic
+from e2.junit import PytestRun, parse_junit
 from e2.models import prepare_store
 from e2.series import Patch, Project, Series, series_digest
 from e2.testenv import TARGETS, TestEnv, View, prepare
@@ -80,74 +79,8 @@ PYTEST_FAILED = (1, 2)
 # The CPU harness: a pytest plugin both sides load (harness/e2_cpu_harness.py).
 HARNESS = Path(__file__).resolve().parent / "harness"
 HARNESS_PLUGIN = "e2_cpu_harness"
-MESSAGE_CHARS = 600                     # of a failure message kept for the report
 # One pytest run: (side, targets, label, switches to set on top of the side's env).
 Job = tuple[str, list[str], str, dict[str, str] | None]
-
-
-@dataclass
-class PytestRun:
-    label: str
-    returncode: int
-    started: float                      # epoch seconds: parallel runs overlap
-    seconds: float
-    outcomes: dict[str, str]            # test id -> passed | failed | error | skipped
-    messages: dict[str, str]            # test id -> why it did not pass (not passed only)
-    log: str
-
-    def count(self, *kinds: str) -> int:
-        return sum(1 for outcome in self.outcomes.values() if outcome in kinds)
-
-    def summary(self) -> str:
-        parts = [f"{self.count(k)} {k}" for k in ("passed", "failed", "error", "skipped")
-                 if self.count(k)]
-        return ", ".join(parts) or f"no tests (exit {self.returncode})"
-
-
-def _test_id(case: ElementTree.Element) -> str:
-    """pytest's node id (path::Class::name) from a JUnit testcase (xunit1 has the file)."""
-    classname, name, path = case.get("classname", ""), case.get("name", ""), case.get("file")
-    if path and path.endswith(".py"):
-        module = path[:-3].replace("/", ".")
-        inner = classname[len(module):].strip(".") if classname.startswith(module) else ""
-        return "::".join([path, *(inner.split(".") if inner else []), name])
-    return f"{classname}::{name}".lstrip(":")
-
-
-def _message(element: ElementTree.Element) -> str:
-    """What the classifier reads: the message, then the traceback's ``E`` lines and its
-    last ``file.py:line:`` (a skip: its reason, from the text for a module-level skip)."""
-    text = (element.text or "").splitlines()
-    lines = [element.get("message") or ""]
-    if element.tag == "skipped":
-        if lines[0] == "collection skipped":  # the text is (path, line, "Skipped: why")
-            lines = [re.sub(r"^.*'Skipped: (.*)'\)$", r"\1", text[0])] if text else lines
-    else:
-        lines += [line[1:].strip() for line in text if line.startswith("E ")]
-        places = [line for line in text if re.match(r"^\S+\.py:\d+: \w+", line)]
-        lines += places[-1:]
-    return "\n".join(line for line in lines if line)[:MESSAGE_CHARS]
-
-
-def parse_junit(path: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """Per-test outcome and message from pytest's JUnit XML; the worst outcome wins."""
-    if not path.is_file():
-        return {}, {}
-    rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
-    outcomes: dict[str, str] = {}
-    messages: dict[str, str] = {}
-    for case in ElementTree.parse(path).iter("testcase"):
-        test_id = _test_id(case)
-        outcome, message = "passed", ""
-        for child in case:
-            kind = {"failure": "failed", "error": "error", "skipped": "skipped"}.get(child.tag)
-            if kind and rank[kind] > rank[outcome]:
-                outcome, message = kind, _message(child)
-        if rank[outcome] >= rank.get(outcomes.get(test_id, "passed"), 0):
-            outcomes[test_id] = outcome
-            if message:
-                messages[test_id] = message
-    return outcomes, messages
 
 
 @dataclass(frozen=True)
@@ -296,17 +229,7 @@ def seam_patch(patch: Patch, runs: list[PytestRun]) -> SeamPatch:
 
 
 def seam_markdown(header: dict, patches: list[SeamPatch]) -> str:
-    lines = [f"# Seam tests: vLLM E2 on vLLM {header['upstream_version']}", "",
-             *_header_lines(header), "",
-             "| patch | switch | E2 (defaults) | control | stock | verdict |",
-             "|---|---|---|---|---|---|"]
-    for patch in patches:
-        cells = [f"{'ok' if c.ok else 'FAIL'}: {c.run.summary()}" for c in patch.checks]
-        lines.append(f"| {patch.id} | {patch.switch} | " + " | ".join(cells)
-                     + f" | {'passed' if patch.ok else 'FAILED'} |")
-    lines += ["", "E2 must pass with every switch at its default; the control must pass "
-              "with the patch's switch flipped; stock must fail.", ""]
-    return "\n".join(lines)
+    return reports.render("seam.md.j2", header=header, patches=patches)
 
 
 def run_seam(options: GlobalOptions, args: argparse.Namespace) -> int:
@@ -365,42 +288,28 @@ def per_file(run: PytestRun) -> dict[str, dict[str, int]]:
     return dict(sorted(files.items()))
 
 
-def _counts_cell(counts: dict[str, int]) -> str:
-    return ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "error", "skipped")
-                     if counts.get(k)) or "-"
+def verdict_groups(verdicts: list[Verdict]) -> list[tuple[str, list[tuple[str, list[Verdict]]]]]:
+    """Per class that has tests (in CLASSES' order), its verdicts by reason, the
+    commonest reason first."""
+    classes = []
+    for kind in CLASSES:
+        reasons: dict[str, list[Verdict]] = {}
+        for verdict in verdicts:
+            if verdict.kind == kind:
+                reasons.setdefault(verdict.reason, []).append(verdict)
+        if reasons:
+            classes.append((kind, sorted(reasons.items(), key=lambda item: -len(item[1]))))
+    return classes
 
 
 def upstream_markdown(header: dict, suites: list[str], runs: dict[str, PytestRun],
                       verdicts: list[Verdict], switches: dict[str, str]) -> str:
-    tally = counts(verdicts)
-    lines = [f"# Upstream suites: stock vs E2 on vLLM {header['upstream_version']}", "",
-             *_header_lines(header), f"- suites: {', '.join(suites)}",
-             f"- E2 switches: {', '.join(f'{k}={v}' for k, v in switches.items()) or 'defaults'}",
-             "- both sides: the offline model store (`HF_HUB_CACHE`, `HF_HUB_OFFLINE=1`) and "
-             f"the CPU harness (`-p {HARNESS_PLUGIN}`)", "",
-             "| run | result | seconds |", "|---|---|---|"]
-    lines += [f"| {name.replace('e2', 'E2')} | {run.summary()} | {run.seconds:.0f} |"
-              for name, run in runs.items()]
-    lines += ["", f"**{tally['regression']} regressions**. Every test that does not pass on "
-              "both sides, by class:", "", "| class | tests |", "|---|---|"]
-    lines += [f"| {kind} | {count} |" for kind, count in tally.items()]
     stock_files, e2_files = per_file(runs["stock"]), per_file(runs["e2"])
-    lines += ["", "## Per file", "", "| file | stock | E2 |", "|---|---|---|"]
-    lines += [f"| `{f}` | {_counts_cell(stock_files.get(f, {}))} | "
-              f"{_counts_cell(e2_files.get(f, {}))} |"
-              for f in sorted(stock_files.keys() | e2_files.keys())]
-    for kind in CLASSES:
-        chosen = [v for v in verdicts if v.kind == kind]
-        if not chosen:
-            continue
-        lines += ["", f"## {kind} ({len(chosen)})", ""]
-        reasons: dict[str, list[Verdict]] = {}
-        for verdict in chosen:
-            reasons.setdefault(verdict.reason, []).append(verdict)
-        for reason, group in sorted(reasons.items(), key=lambda item: -len(item[1])):
-            lines.append(f"- {reason} ({len(group)}):")
-            lines += [f"  - `{v.test}` (stock {v.stock}, E2 {v.e2})" for v in group]
-    return "\n".join(lines) + "\n"
+    files = [(name, stock_files.get(name, {}), e2_files.get(name, {}))
+             for name in sorted(stock_files.keys() | e2_files.keys())]
+    return reports.render("upstream.md.j2", header=header, suites=suites, runs=runs,
+                          switches=switches, harness=HARNESS_PLUGIN, tally=counts(verdicts),
+                          files=files, classes=verdict_groups(verdicts))
 
 
 def e2_variants(series: Series, args: argparse.Namespace) -> dict[str, dict[str, str]]:
@@ -488,14 +397,6 @@ def _header(project: Project, series: Series, env: TestEnv, seconds: float) -> d
             "target": env.target, "installed": recorded.get("installed", {}),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(seconds, 1)}
-
-
-def _header_lines(header: dict) -> list[str]:
-    installed = ", ".join(f"{k} {v}" for k, v in sorted(header["installed"].items()))
-    return [f"- upstream: {header['upstream_tag']}",
-            f"- series digest: `{header['series_digest']}`",
-            f"- target: {header['target']} ({installed})",
-            f"- run: {header['date']}, {header['seconds']:.0f}s"]
 
 
 def _write_results(directory: Path, name: str, data: dict, markdown: str) -> None:

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from e2 import cli, probe
+from e2 import cli
 from e2.apply import UpstreamOptions
 from e2.cli import GlobalOptions
+from e2.probes import capacity, capacity_matrix
+from e2.probes.runtime import Runtime, ensure_image_packages, make_runtime
 from e2.series import Project
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,38 +60,38 @@ def _options(upstream_cache) -> GlobalOptions:
 
 
 @pytest.fixture(scope="module")
-def runtime(venv_python, upstream_cache) -> probe.Runtime:
+def runtime(venv_python, upstream_cache) -> Runtime:
     python = venv_python
     import subprocess
     missing = subprocess.run([str(python), "-c", "import importlib.util as u; "
                               "print(u.find_spec('torchvision') is None)"],
                              capture_output=True, text=True).stdout.strip() == "True"
-    packages = probe.ensure_image_packages(_options(upstream_cache), python)
-    return probe.Runtime(python, None, "stock only in this fixture", missing, packages)
+    packages = ensure_image_packages(_options(upstream_cache), python)
+    return Runtime(python, None, "stock only in this fixture", missing, packages)
 
 
 @pytest.fixture(scope="module")
-def e2_runtime(upstream_cache) -> probe.Runtime:
+def e2_runtime(upstream_cache) -> Runtime:
     """Stock and E2 (the view of this checkout's overlay) as `e2 probe capacity` runs them."""
-    return probe.make_runtime(_options(upstream_cache), argparse.Namespace(
+    return make_runtime(_options(upstream_cache), argparse.Namespace(
         python=None, vllm_path=None, stock_only=False))
 
 
-def _settings(**changes) -> probe.Settings:
+def _settings(**changes) -> capacity.Settings:
     """Defaults of the CLI (capability 8.6) and three lengths."""
     base = dict(budget_gib=10.0, tp=1, max_num_seqs=256, max_model_len=32768,
                 kv_dtype="auto", mamba_cache_mode="none", lengths=(128, 4096, 32768))
     base.update(changes)
-    return probe.Settings(**base)
+    return capacity.Settings(**base)
 
 
 @pytest.fixture(scope="module")
 def qwen08(runtime) -> dict:
-    return probe.run_worker(runtime, "stock", probe.ZOO / MODEL, _settings())
+    return capacity.run_worker(runtime, "stock", capacity.ZOO / MODEL, _settings())
 
 
 def _config() -> dict:
-    return json.loads((probe.ZOO / MODEL / "config.json").read_text())["text_config"]
+    return json.loads((capacity.ZOO / MODEL / "config.json").read_text())["text_config"]
 
 
 def test_qwen35_08b_planner_pinned_and_derived(qwen08):
@@ -147,8 +149,8 @@ def test_qwen35_08b_workload_saturation_and_no_leaks(qwen08):
 
 
 def test_align_mode_holds_two_states_per_request(runtime):
-    result = probe.run_worker(runtime, "stock", probe.ZOO / MODEL,
-                              _settings(mamba_cache_mode="align", lengths=(4096,)))
+    result = capacity.run_worker(runtime, "stock", capacity.ZOO / MODEL,
+                                 _settings(mamba_cache_mode="align", lengths=(4096,)))
     assert result["facts"]["states_per_request"] == 2
     row = result["workload"][0]
     assert row["distinct"]["leaked_blocks"] == row["shared_prefix"]["leaked_blocks"] == 0
@@ -178,7 +180,7 @@ def test_missing_architectures_key(e2_capacity, tmp_path):
 
 def test_unknown_architecture(e2_capacity, tmp_path):
     model = tmp_path / "m"
-    shutil.copytree(probe.ZOO / MODEL, model)
+    shutil.copytree(capacity.ZOO / MODEL, model)
     data = json.loads((model / "config.json").read_text())
     data["architectures"] = ["NoSuchHybridForCausalLM"]
     (model / "config.json").write_text(json.dumps(data))
@@ -216,10 +218,10 @@ def selected(runtime, tmp_path_factory) -> dict:
     for capability in ("8.6", "9.0"):
         runs = [(_settings(kv_dtype=kv, lengths=(128,), capability=capability),
                  out / f"{capability}-{kv}.json") for kv in ("auto", "fp8")]
-        probe.run_jobs(runtime, "stock", probe.ZOO / MODEL, runs)
+        capacity.run_jobs(runtime, "stock", capacity.ZOO / MODEL, runs)
         for settings, path in runs:
-            results[capability, settings.kv_dtype] = probe.read_result(
-                path, probe.ZOO / MODEL, "stock", settings)
+            results[capability, settings.kv_dtype] = capacity.read_result(
+                path, capacity.ZOO / MODEL, "stock", settings)
     return results
 
 
@@ -299,18 +301,18 @@ def test_matrix_resumes_and_renders(e2_runtime, tmp_path):
     """Each run's JSON is kept; a rerun only runs what is missing or failed, and the
     baseline renders from what is on disk."""
     scenarios = [(MODEL, _settings(lengths=(128,)))]
-    results = probe.run_matrix(e2_runtime, tmp_path, scenarios)
-    assert set(results) == {(MODEL, "10g-tp1-256-auto-none", side) for side in probe.SIDES}
+    results = capacity_matrix.run_matrix(e2_runtime, tmp_path, scenarios)
+    assert set(results) == {(MODEL, "10g-tp1-256-auto-none", side) for side in capacity.SIDES}
     stock_file = tmp_path / MODEL / "10g-tp1-256-auto-none-stock.json"
     e2_file = tmp_path / MODEL / "10g-tp1-256-auto-none-e2.json"
     kept = stock_file.stat().st_mtime_ns
     e2_file.write_text(json.dumps({"ok": False, "input_error": False, "message": "killed",
                                    "traceback": ""}))
-    results = probe.run_matrix(e2_runtime, tmp_path, scenarios)
+    results = capacity_matrix.run_matrix(e2_runtime, tmp_path, scenarios)
     assert stock_file.stat().st_mtime_ns == kept
     assert json.loads(e2_file.read_text())["ok"] is True
-    record = probe.matrix_record(Project(REPO), e2_runtime, tmp_path, scenarios,
-                                 results)
+    record = capacity_matrix.matrix_record(Project(REPO), e2_runtime, tmp_path, scenarios,
+                                           results)
     record["record"] = "capacity.json"
     [run] = record["runs"]
     assert run["stock"]["backend"] == run["e2"]["backend"] == "FLASH_ATTN"
@@ -318,7 +320,7 @@ def test_matrix_resumes_and_renders(e2_runtime, tmp_path):
         544, 16)
     assert run["e2"]["rows"][0]["distinct_ratio"] == record["e2_min_ratio"] == 1.0
     assert record["flags"] == []
-    text = probe.render_matrix(record, "plot.png")
+    text = capacity_matrix.render_matrix(record, "plot.png")
     assert f"| {MODEL} | FLASH_ATTN | 544 → 16 | 1.000 |" in text
 
 
@@ -332,22 +334,22 @@ def test_matrix_flags_name_every_e2_shortfall():
             "shared_prefix_leaked_blocks": 0}
     runs = [{"model": "M", "setting": "s", "stock": {"rows": [row]}, "e2": {"rows": [row]}},
             {"model": "N", "setting": "s", "stock": {"rows": [row]}, "e2": {"rows": [good]}}]
-    flags = probe.matrix_flags(runs)
+    flags = capacity_matrix.matrix_flags(runs)
     assert flags == ["M s L=4096: distinct: ratio 0.970 (97/100), 2 preemptions below "
                      "the ideal; shared prefix: 1 leaked blocks"]
     # E2 preempting more than stock in the same workload is a regression
     runs[1]["stock"]["rows"] = [{**good, "distinct_preemptions": 1}]
-    assert probe.matrix_flags(runs)[1:] == ["N s L=4096: distinct: 3 preemptions (stock 1)"]
+    assert capacity_matrix.matrix_flags(runs)[1:] == ["N s L=4096: distinct: 3 preemptions (stock 1)"]
     # admitting past the ideal and preempting after is over-admission, whatever stock does
     over = {**good, "distinct_saturation": 120, "distinct_ratio": 1.2}
     runs[1]["stock"]["rows"] = runs[1]["e2"]["rows"] = [over]
-    assert probe.matrix_flags(runs)[1:] == [
+    assert capacity_matrix.matrix_flags(runs)[1:] == [
         "N s L=4096: distinct: admitted 120 of an ideal 100, then preempted"]
 
 
 def test_matrix_covers_the_issues_scenarios():
-    scenarios = probe.matrix_scenarios("8.6")
-    zoo = probe.zoo_names()
+    scenarios = capacity_matrix.matrix_scenarios("8.6")
+    zoo = capacity.zoo_names()
     assert len(zoo) == 6
     assert len(scenarios) == len(zoo) * 2 * 2 * 2 + 4
     labels = {(name, settings.label()) for name, settings in scenarios}

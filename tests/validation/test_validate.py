@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from e2.classify import classify, counts
-from e2.validate import parse_junit
+from e2.junit import parse_junit
 from validation_helpers import add_patch, cpu_env, real_project, results  # noqa: F401
 
 ENVS = "vllm/envs.py"

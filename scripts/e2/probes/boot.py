@@ -26,7 +26,7 @@ from e2.errors import E2Error
 if TYPE_CHECKING:
     from docker import DockerClient
 
-    from e2.probe import Settings
+    from e2.probes.capacity import Settings
 
 KV_LINE = re.compile(r"(?:\w+ )?KV cache size: ([\d,]+) tokens[^\n]*")
 GIB = 1 << 30

@@ -1,0 +1,152 @@
+"""e2 probe capacity: its arguments and the command (one probe, or --baseline)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from e2 import console
+from e2.errors import E2Error
+from e2.probes.capacity import (
+    DEFAULT_CAPABILITY,
+    DEFAULT_LENGTHS,
+    Settings,
+    boot_all,
+    boot_images,
+    resolve_model,
+    run_all,
+    zoo_names,
+)
+from e2.probes.capacity_matrix import run_baseline
+from e2.probes.capacity_report import print_tables, probe_record, write_record
+from e2.probes.runtime import make_runtime
+from e2.probes.serve import add_engine_image_arguments
+
+if TYPE_CHECKING:
+    from e2.cli import GlobalOptions
+
+DESCRIPTION = ("Plan the KV cache of a model (config.json only, no weights) for a "
+               "budget per rank with vLLM's planner as a CUDA boot on the target GPU "
+               "would (the attention backend vLLM's own selection picks for its "
+               "compute capability and the KV dtype), then drive vLLM's v1 scheduler with "
+               "fake outputs to measure how many requests of length L run at once, "
+               "against the ideal of a separate state pool. Stock and E2 side by "
+               "side; the record goes to docs/validation/.")
+
+
+def _capability(text: str) -> str:
+    major, dot, minor = text.partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        raise argparse.ArgumentTypeError("a compute capability as MAJOR.MINOR, e.g. 8.6")
+    return f"{int(major)}.{int(minor)}"
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError("comma-separated token counts, e.g. 128,4096") from None
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError("each length must be at least 2 tokens")
+    return values
+
+
+def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", action="append", default=[], metavar="DIR|NAME",
+                        help="model folder with config.json, or a zoo name (repeatable)")
+    parser.add_argument("--zoo", action="store_true", help="every model in the zoo: "
+                        + ", ".join(zoo_names()))
+    parser.add_argument("--budget-gib", type=float, default=10.0,
+                        help="KV cache memory per rank in GiB (default 10)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="(default 256)")
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="default: 32768, or the model's maximum if smaller")
+    parser.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto")
+    parser.add_argument("--mamba-cache-mode", choices=("none", "align"), default="none",
+                        help="align turns prefix caching on (default none)")
+    parser.add_argument("--capability", type=_capability, default=DEFAULT_CAPABILITY,
+                        metavar="MAJOR.MINOR",
+                        help="target GPU compute capability (default 8.6, an RTX 3090; "
+                             "9.0: H100/H200)")
+    parser.add_argument("--lengths", type=_lengths, default=DEFAULT_LENGTHS,
+                        help="workload request lengths (default 128,1024,4096,16384,32768)")
+    parser.add_argument("--python", type=Path, metavar="PATH",
+                        help="python of a vLLM venv (default: e2 env's cpu venv, made or "
+                             "reused)")
+    parser.add_argument("--vllm-path", type=Path, metavar="DIR",
+                        help="with --python: an overlaid copy of vllm to run as E2 (default: "
+                             "e2 env's view)")
+    parser.add_argument("--stock-only", action="store_true", help="skip the E2 side")
+    parser.add_argument("--boot", action="store_true",
+                        help="also boot the engine on each model (dummy weights) and record its "
+                             "'KV cache size: N tokens' line, stock and E2 (here: --tp 1)")
+    parser.add_argument("--docker", action="store_true",
+                        help="with --boot: boot the engine images on DOCKER_HOST (the GPU host)")
+    add_engine_image_arguments(parser)
+    parser.add_argument("--results", type=Path, metavar="DIR",
+                        help="where records go (default docs/validation)")
+    parser.add_argument("--no-record", action="store_true", help="print only")
+    parser.add_argument("--baseline", action="store_true",
+                        help="run the whole scenario matrix (every zoo model; 10 GiB, 256 and "
+                             "1024 seqs, KV auto and fp8, mamba none and align; Qwen3.5-27B "
+                             "at TP 4, 6 GiB, 64 seqs), stock and E2, resuming from "
+                             ".e2/results/capacity-matrix/; write docs/capacity-baseline.md "
+                             "and .png")
+    parser.add_argument("--json", action="store_true", help="print the record as JSON")
+    parser.set_defaults(run=run)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    if args.budget_gib <= 0:
+        raise E2Error(f"--budget-gib {args.budget_gib}: must be positive")
+    if args.tp < 1:
+        raise E2Error(f"--tp {args.tp}: must be at least 1")
+    if args.max_num_seqs < 1:
+        raise E2Error(f"--max-num-seqs {args.max_num_seqs}: must be at least 1")
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    _check_numbers(args)
+    if (args.docker or args.stock_image or args.e2_image or args.gpus) and not args.boot:
+        raise E2Error("--docker, --stock-image, --e2-image and --gpus go with --boot")
+    if (args.stock_image or args.e2_image or args.gpus) and not args.docker:
+        raise E2Error("--stock-image, --e2-image and --gpus go with --docker")
+    if args.baseline and (args.model or args.boot or args.stock_only or args.no_record):
+        raise E2Error("--baseline runs its own scenario matrix on the whole zoo, "
+                      "both sides", hint="drop --model, --boot, --stock-only and "
+                      "--no-record; --capability picks the target GPU")
+
+
+def run(options: GlobalOptions, args: argparse.Namespace) -> int:
+    project = options.project
+    _check_options(args)
+    if args.baseline:
+        return run_baseline(options, args)
+    specs = list(args.model) + (zoo_names() if args.zoo else [])
+    if not specs:
+        raise E2Error("no model given", hint="--model DIR|NAME (repeatable) or --zoo")
+    models = list(dict.fromkeys(resolve_model(spec) for spec in specs))
+    runtime = make_runtime(options, args)
+    if runtime.view is None:
+        console.warn(f"E2 side skipped: {runtime.why_no_view}; running stock only")
+    settings = Settings(args.budget_gib, args.tp, args.max_num_seqs, args.max_model_len,
+                        args.kv_dtype, args.mamba_cache_mode, tuple(args.lengths),
+                        args.capability)
+    images = boot_images(project, args) if args.boot and args.docker else None  # reach it first
+    per_model = run_all(runtime, models, settings)
+    if args.boot:
+        boot_all(runtime, models, settings, per_model, images)
+    record = probe_record(project, args, runtime, per_model)
+    if args.json:
+        console.out.print_json(json.dumps(record))
+    else:
+        print_tables(per_model)
+    if not args.no_record:
+        write_record(project, args, record)
+    if record["leaks"]:
+        raise E2Error("blocks leaked after every request finished:\n  "
+                      + "\n  ".join(record["leaks"]))
+    return 0
