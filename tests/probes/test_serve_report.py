@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from e2.probes import serve
+from e2.probes.serve_compare import compare
+from e2.probes.serve_report import markdown
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -38,13 +39,13 @@ def _failing(record: dict) -> dict:
                                         ("serve-record-failing", lambda: _failing(_record()))])
 def test_markdown_is_byte_identical_to_the_recorded_text(name, make):
     record = make()
-    rows = serve.compare(record["sides"]["stock"], record["sides"]["e2"])
-    assert serve.markdown(record, rows) == (DATA / f"{name}.md").read_text()
+    rows = compare(record["sides"]["stock"], record["sides"]["e2"])
+    assert markdown(record, rows) == (DATA / f"{name}.md").read_text()
 
 
 def test_the_failing_record_reports_its_problems():
     record = _failing(_record())
-    rows = serve.compare(record["sides"]["stock"], record["sides"]["e2"])
-    text = serve.markdown(record, rows)
+    rows = compare(record["sides"]["stock"], record["sides"]["e2"])
+    text = markdown(record, rows)
     assert "**5 problems**" in text and "| FAIL |" in text
     assert "- sync oversubscribed: request 3: token ids differ from position 7" in text
