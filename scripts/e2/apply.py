@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import os
 import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -18,11 +16,12 @@ from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.fsio import read_tree
 from e2.gitops import (
-    COMMITTER_ENV,
+    AM_FELL_BACK,
     DIFF_FLAGS,
     Hunk,
     clone_worktree,
     commit_summary,
+    git_am,
     open_worktree,
     parse_hunks,
     remove_tree,
@@ -144,7 +143,7 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
             repo = clone_worktree(upstream.cache.repo_dir, staging, series.upstream.tag,
                                   _touched_paths(project, patches) if sparse else None)
         checkpoint("apply-cloned")
-        merged = _git_am(repo, project, patches, series)
+        merged = _apply_patches(repo, project, patches, series)
         checkpoint("apply-applied")
     except E2Error:
         # a patch did not apply: the worktree stays at the last one that did, to fix it there
@@ -211,30 +210,26 @@ def _check_replaceable(project: Project, dest: Path) -> None:
                           hint=f"export it first: e2 export --from {dest}")
 
 
-def _git_am(repo: git.Repo, project: Project, patches: list[Patch], series: Series) -> set[str]:
+def _apply_patches(repo: git.Repo, project: Project, patches: list[Patch],
+                   series: Series) -> set[str]:
     """Apply ``patches`` with one git am; return the ids that needed a 3-way merge."""
     if not patches:
         return set()
-    env = {**os.environ, **COMMITTER_ENV}
-    files = [str(project.patch_path(p)) for p in patches]
-    command = ["git", "am", "--3way", "--committer-date-is-author-date", *files]
     merged: set[str] = set()
     current = -1
-    output: list[str] = []
     with console.progress(count=True) as progress:
         task = progress.add_task(f"applying {len(patches)} patches", total=len(patches))
-        process = subprocess.Popen(command, cwd=repo.working_tree_dir, env=env, text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        assert process.stdout is not None
-        for line in process.stdout:
-            output.append(line.rstrip("\n"))
+
+        def follow(line: str) -> None:
+            nonlocal current
             if line.startswith("Applying: "):
                 current += 1
                 progress.update(task, completed=current,
                                 description=f"applying {patches[current].id}")
-            elif line.startswith("Falling back to patching base and 3-way merge"):
+            elif line.startswith(AM_FELL_BACK):
                 merged.add(patches[current].id)
-        returncode = process.wait()
+
+        returncode, output = git_am(repo, [project.patch_path(p) for p in patches], follow)
         progress.update(task, completed=current + 1 if returncode == 0 else current)
     if returncode != 0:
         failed = patches[max(current, 0)]

@@ -38,7 +38,7 @@ from e2.apply import PatchResult, UpstreamOptions, apply_series, find_offsets
 from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.fsio import read_tree, replace_dir, write_atomic
-from e2.gitops import COMMITTER_ENV, clone_worktree, commit_summary
+from e2.gitops import AM_FELL_BACK, COMMITTER_ENV, clone_worktree, commit_summary, git_am
 from e2.series import (
     RELEASE_VERSION,
     Patch,
@@ -446,12 +446,8 @@ def _applies_in_reverse(repo: git.Repo, patch_file: Path) -> bool:
 
 def _am(repo: git.Repo, patch_file: Path) -> tuple[bool, bool]:
     """git am --3way one patch: (applied, needed the 3-way fallback)."""
-    env = {**os.environ, **COMMITTER_ENV}
-    result = subprocess.run(["git", "am", "--3way", "--committer-date-is-author-date",
-                             str(patch_file)], cwd=repo.working_tree_dir, env=env,
-                            capture_output=True, text=True)
-    fell_back = "Falling back to patching base and 3-way merge" in result.stdout + result.stderr
-    return result.returncode == 0, fell_back
+    returncode, output = git_am(repo, [patch_file])
+    return returncode == 0, any(AM_FELL_BACK in line for line in output)
 
 
 def _unmerged(repo: git.Repo) -> list[str]:
