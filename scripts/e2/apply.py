@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -168,6 +169,36 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
                       hint="re-export them from a worktree (e2 apply; e2 export) so their "
                            "context matches upstream")
     return tree
+
+
+class ScratchTree:
+    """``with ScratchTree(...) as tree:`` the series applied exactly into a temporary
+    worktree under the project's state directory, removed when the block ends.
+
+    ``sparse``: only the files the patches touch are checked out; read everything
+    else from the commits (``tree.repo``), never from the working directory.
+    Otherwise the checkout is full (tests and conftests included).
+    """
+
+    def __init__(self, project: Project, series: Series, upstream: UpstreamOptions,
+                 sparse: bool = True, prefix: str = "scratch-"):
+        self.project, self.series, self.upstream = project, series, upstream
+        self.sparse, self.prefix = sparse, prefix
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def __enter__(self) -> AppliedTree:
+        self.project.state_dir.mkdir(parents=True, exist_ok=True)
+        self._tmp = tempfile.TemporaryDirectory(dir=self.project.state_dir, prefix=self.prefix)
+        try:
+            return apply_series(self.project, self.series, Path(self._tmp.name) / "tree",
+                                self.upstream, exact=True, sparse=self.sparse)
+        except BaseException:
+            self._tmp.cleanup()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        assert self._tmp is not None
+        self._tmp.cleanup()
 
 
 def _move_into_place(staging: Path, dest: Path) -> None:

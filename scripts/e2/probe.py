@@ -37,6 +37,7 @@ from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.probes.serve import add_engine_image_arguments, add_serve_arguments
 from e2.series import series_digest
+from e2.testenv import clean_env
 
 PROBES = Path(__file__).resolve().parent / "probes"
 WORKER = PROBES / "capacity_worker.py"
@@ -67,8 +68,7 @@ class Runtime:
     image_packages: Path | None = None  # the engine image's packages the selection needs
 
     def env(self, side: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("VLLM_E2_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env = clean_env()
         env["HF_HUB_OFFLINE"] = "1"
         paths = [str(self.view)] if side == "e2" and self.view else []
         if self.needs_stub:

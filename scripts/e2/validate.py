@@ -25,7 +25,6 @@ import json
 import os
 import re
 import subprocess
-import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,7 @@ from pathlib import Path
 from rich.table import Table
 
 from e2 import console
-from e2.apply import apply_series
+from e2.apply import ScratchTree
 from e2.classify import CLASSES, FAILING, Verdict, classify, counts
 from e2.errors import E2Error
 from e2.fsio import write_atomic
@@ -217,25 +216,6 @@ def prepare_sides(args: argparse.Namespace, project: Project, series: Series, tr
     return Sides(env, view, tree, hub_cache, project.state_dir / "logs" / kind, args.timeout)
 
 
-class PatchedTree:
-    """The series applied exactly into a full scratch checkout (tests and conftests included)."""
-
-    def __init__(self, project: Project, series: Series, args: argparse.Namespace):
-        self.project, self.series, self.args = project, series, args
-        self._tmp: tempfile.TemporaryDirectory | None = None
-
-    def __enter__(self) -> Path:
-        self.project.state_dir.mkdir(parents=True, exist_ok=True)
-        self._tmp = tempfile.TemporaryDirectory(dir=self.project.state_dir, prefix="validate-")
-        tree = Path(self._tmp.name) / "tree"
-        apply_series(self.project, self.series, tree, self.args.upstream, exact=True)
-        return tree
-
-    def __exit__(self, *exc_info: object) -> None:
-        assert self._tmp is not None
-        self._tmp.cleanup()
-
-
 # ---------------------------------------------------------------- seam
 
 
@@ -311,8 +291,8 @@ def run_seam(args: argparse.Namespace) -> int:
     if not patches:
         raise E2Error("series.yaml has no patches to test")
     started = time.monotonic()
-    with PatchedTree(project, series, args) as tree:
-        sides = prepare_sides(args, project, series, tree, "seam")
+    with ScratchTree(project, series, args.upstream, sparse=False, prefix="validate-") as applied:
+        sides = prepare_sides(args, project, series, applied.path, "seam")
         # every run is its own pytest process over the same tree, so they can overlap
         runs = sides.run_many([job for patch in patches for job in seam_jobs(patch)],
                               "seam tests", workers=args.jobs)
@@ -413,7 +393,8 @@ def run_upstream(args: argparse.Namespace) -> int:
     suites = args.suite or list(CI_SUITES if args.ci else DEFAULT_SUITES)
     variants = e2_variants(series, args)
     started = time.monotonic()
-    with PatchedTree(project, series, args) as tree:
+    with ScratchTree(project, series, args.upstream, sparse=False, prefix="validate-") as applied:
+        tree = applied.path
         missing = [s for s in suites if not (tree / s.split("::", 1)[0]).exists()]
         if missing:
             raise E2Error("no such suite in the patched tree: " + ", ".join(missing))
