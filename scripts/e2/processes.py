@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -67,7 +66,7 @@ def http_answers(url: str, timeout_s: float = 60) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s):
             return True
-    except (OSError, urllib.error.URLError):
+    except OSError:  # refused, reset, an HTTP error status (URLError is an OSError)
         return False
 
 
