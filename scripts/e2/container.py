@@ -65,15 +65,15 @@ class Container:
                 self.image, self.command, entrypoint=self.entrypoint, environment=self.env,
                 volumes=self.volumes, network_mode=self.network, shm_size=self.shm_size,
                 labels=self.labels, device_requests=device_requests(self.gpus) or None)
+            for target, source in self.files.items():
+                self.sdk.put_archive(str(Path(target).parent), _tar(source, Path(target).name))
+            self.sdk.start()  # where a missing GPU runtime shows
         except docker.errors.DockerException as exc:
+            self._remove()
             raise E2Error(f"starting {self.image} failed: {docker_reason(exc)}",
                           hint="--gpus needs the NVIDIA container toolkit on the Docker host"
                           if self.gpus else None) from None
-        try:
-            for target, source in self.files.items():
-                self.sdk.put_archive(str(Path(target).parent), _tar(source, Path(target).name))
-            self.sdk.start()
-        except BaseException:
+        except BaseException:  # Ctrl-C or a failed copy: nothing is left behind
             self._remove()
             raise
         return self
