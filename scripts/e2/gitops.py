@@ -54,7 +54,8 @@ def git_am(repo: git.Repo, patch_files: list[Path],
     stderr together), each also given to ``on_line`` as it comes."""
     command = ["git", "am", "--3way", "--committer-date-is-author-date",
                *map(str, patch_files)]
-    process = subprocess.Popen(command, cwd=repo.working_tree_dir, env={**os.environ, **COMMITTER_ENV},
+    process = subprocess.Popen(command, cwd=repo.working_tree_dir,
+                               env={**os.environ, **COMMITTER_ENV},
                                text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert process.stdout is not None
     output = []
