@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import os
 import shutil
-import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -18,11 +17,12 @@ from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.fsio import read_tree
 from e2.gitops import (
-    COMMITTER_ENV,
+    AM_FELL_BACK,
     DIFF_FLAGS,
     Hunk,
     clone_worktree,
     commit_summary,
+    git_am,
     open_worktree,
     parse_hunks,
     remove_tree,
@@ -147,7 +147,7 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
             repo = clone_worktree(upstream.cache.repo_dir, staging, series.upstream.tag,
                                   _touched_paths(project, patches) if sparse else None)
         checkpoint("apply-cloned")
-        merged = _git_am(repo, project, patches, series)
+        merged = _apply_patches(repo, project, patches, series)
         checkpoint("apply-applied")
     except E2Error:
         # a patch did not apply: the worktree stays at the last one that did, to fix it there
@@ -172,6 +172,36 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
                       hint="re-export them from a worktree (e2 apply; e2 export) so their "
                            "context matches upstream")
     return tree
+
+
+class ScratchTree:
+    """``with ScratchTree(...) as tree:`` the series applied exactly into a temporary
+    worktree under the project's state directory, removed when the block ends.
+
+    ``sparse``: only the files the patches touch are checked out; read everything
+    else from the commits (``tree.repo``), never from the working directory.
+    Otherwise the checkout is full (tests and conftests included).
+    """
+
+    def __init__(self, project: Project, series: Series, upstream: UpstreamOptions,
+                 sparse: bool = True, prefix: str = "scratch-"):
+        self.project, self.series, self.upstream = project, series, upstream
+        self.sparse, self.prefix = sparse, prefix
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def __enter__(self) -> AppliedTree:
+        self.project.state_dir.mkdir(parents=True, exist_ok=True)
+        self._tmp = tempfile.TemporaryDirectory(dir=self.project.state_dir, prefix=self.prefix)
+        try:
+            return apply_series(self.project, self.series, Path(self._tmp.name) / "tree",
+                                self.upstream, exact=True, sparse=self.sparse)
+        except BaseException:
+            self._tmp.cleanup()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        assert self._tmp is not None
+        self._tmp.cleanup()
 
 
 def _move_into_place(staging: Path, dest: Path) -> None:
@@ -214,30 +244,26 @@ def _check_replaceable(project: Project, dest: Path) -> None:
                           hint=f"export it first: e2 export --from {dest}")
 
 
-def _git_am(repo: git.Repo, project: Project, patches: list[Patch], series: Series) -> set[str]:
+def _apply_patches(repo: git.Repo, project: Project, patches: list[Patch],
+                   series: Series) -> set[str]:
     """Apply ``patches`` with one git am; return the ids that needed a 3-way merge."""
     if not patches:
         return set()
-    env = {**os.environ, **COMMITTER_ENV}
-    files = [str(project.patch_path(p)) for p in patches]
-    command = ["git", "am", "--3way", "--committer-date-is-author-date", *files]
     merged: set[str] = set()
     current = -1
-    output: list[str] = []
     with console.progress(count=True) as progress:
         task = progress.add_task(f"applying {len(patches)} patches", total=len(patches))
-        process = subprocess.Popen(command, cwd=repo.working_tree_dir, env=env, text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        assert process.stdout is not None
-        for line in process.stdout:
-            output.append(line.rstrip("\n"))
+
+        def follow(line: str) -> None:
+            nonlocal current
             if line.startswith("Applying: "):
                 current += 1
                 progress.update(task, completed=current,
                                 description=f"applying {patches[current].id}")
-            elif line.startswith("Falling back to patching base and 3-way merge"):
+            elif line.startswith(AM_FELL_BACK):
                 merged.add(patches[current].id)
-        returncode = process.wait()
+
+        returncode, output = git_am(repo, [project.patch_path(p) for p in patches], follow)
         progress.update(task, completed=current + 1 if returncode == 0 else current)
     if returncode != 0:
         failed = patches[max(current, 0)]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,28 @@ COMMITTER_ENV = {
     "GIT_COMMITTER_EMAIL": "e2@vllm-e2.invalid",
 }
 BRANCH = "e2"
+# git am's line when a patch did not apply as is and it merged three ways.
+AM_FELL_BACK = "Falling back to patching base and 3-way merge"
+
+
+def git_am(repo: git.Repo, patch_files: list[Path],
+           on_line: Callable[[str], None] | None = None) -> tuple[int, list[str]]:
+    """``git am --3way`` of ``patch_files`` in ``repo``'s worktree as the driver commits
+    (its committer, the author's date); git's exit code and output lines (stdout and
+    stderr together), each also given to ``on_line`` as it comes."""
+    command = ["git", "am", "--3way", "--committer-date-is-author-date",
+               *map(str, patch_files)]
+    process = subprocess.Popen(command, cwd=repo.working_tree_dir,
+                               env={**os.environ, **COMMITTER_ENV},
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert process.stdout is not None
+    output = []
+    with process.stdout:
+        for line in process.stdout:
+            output.append(line.rstrip("\n"))
+            if on_line is not None:
+                on_line(output[-1])
+    return process.wait(), output
 
 
 def stable_git(repo: git.Repo, *args: str, **kwargs: Any) -> str:

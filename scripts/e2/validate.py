@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import subprocess
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from e2 import console, reports
-from e2.apply import UpstreamOptions, apply_series
+from e2.apply import ScratchTree
 from e2.classify import CLASSES, FAILING, Verdict, classify, counts
 from e2.errors import E2Error
 from e2.fsio import write_atomic
@@ -155,25 +154,6 @@ def prepare_sides(options: GlobalOptions, args: argparse.Namespace, series: Seri
     return Sides(env, view, tree, hub_cache, project.state_dir / "logs" / kind, args.timeout)
 
 
-class PatchedTree:
-    """The series applied exactly into a full scratch checkout (tests and conftests included)."""
-
-    def __init__(self, project: Project, series: Series, upstream: UpstreamOptions):
-        self.project, self.series, self.upstream = project, series, upstream
-        self._tmp: tempfile.TemporaryDirectory | None = None
-
-    def __enter__(self) -> Path:
-        self.project.state_dir.mkdir(parents=True, exist_ok=True)
-        self._tmp = tempfile.TemporaryDirectory(dir=self.project.state_dir, prefix="validate-")
-        tree = Path(self._tmp.name) / "tree"
-        apply_series(self.project, self.series, tree, self.upstream, exact=True)
-        return tree
-
-    def __exit__(self, *exc_info: object) -> None:
-        assert self._tmp is not None
-        self._tmp.cleanup()
-
-
 # ---------------------------------------------------------------- seam
 
 
@@ -239,8 +219,9 @@ def run_seam(options: GlobalOptions, args: argparse.Namespace) -> int:
     if not patches:
         raise E2Error("series.yaml has no patches to test")
     started = time.monotonic()
-    with PatchedTree(project, series, options.upstream) as tree:
-        sides = prepare_sides(options, args, series, tree, "seam")
+    with ScratchTree(project, series, options.upstream, sparse=False,
+                     prefix="validate-") as applied:
+        sides = prepare_sides(options, args, series, applied.path, "seam")
         # every run is its own pytest process over the same tree, so they can overlap
         runs = sides.run_many([job for patch in patches for job in seam_jobs(patch)],
                               "seam tests", workers=args.jobs)
@@ -327,7 +308,9 @@ def run_upstream(options: GlobalOptions, args: argparse.Namespace) -> int:
     suites = args.suite or list(CI_SUITES if args.ci else DEFAULT_SUITES)
     variants = e2_variants(series, args)
     started = time.monotonic()
-    with PatchedTree(project, series, options.upstream) as tree:
+    with ScratchTree(project, series, options.upstream, sparse=False,
+                     prefix="validate-") as applied:
+        tree = applied.path
         missing = [s for s in suites if not (tree / s.split("::", 1)[0]).exists()]
         if missing:
             raise E2Error("no such suite in the patched tree: " + ", ".join(missing))

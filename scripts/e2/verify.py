@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 import git
 
 from e2 import console
-from e2.apply import AppliedTree, UpstreamOptions
+from e2.apply import AppliedTree, ScratchTree, UpstreamOptions
+from e2.dockerfile import dockerfile_drift, has_dockerfile
 from e2.errors import E2Error
-from e2.image import dockerfile_drift, has_dockerfile
-from e2.overlay import PACKAGE, OverlayPlan, ScratchTree, overlay_drift, plan_overlay, sync_problems
+from e2.overlay import PACKAGE, OverlayPlan, overlay_drift, plan_overlay, sync_problems
 from e2.series import Project, Series
 
 if TYPE_CHECKING:

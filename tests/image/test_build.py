@@ -12,15 +12,15 @@ import shutil
 
 import pytest
 
+from e2.container import run_to_end
+
 from .conftest import REPO_ROOT, SERIES, VERSION
 
 MANIFEST = json.loads((REPO_ROOT / "overlay" / "MANIFEST.json").read_text())
 
 
 def _run(client, image: str, script: str) -> str:
-    out = client.containers.run(image, ["sh", "-c", script], remove=True, network_mode="none",
-                                stderr=True)
-    return out.decode()
+    return run_to_end(client, image, ["sh", "-c", script], "the check", stderr=True)
 
 
 def test_image_on_the_standin_carries_overlay_switches_and_labels(project, standin,

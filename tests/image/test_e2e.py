@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from e2.container import run_to_end
 from e2.imagebase import LABEL_RECIPE, recipe_id
 
 from .conftest import REPO_ROOT, VERSION
@@ -53,10 +54,10 @@ def test_e2_image_on_the_cpu_base_is_reproducible_and_compiled(project, cpu_base
     layers = [[line for line in b.stdout.splitlines() if " layer sha256:" in line]
               for b in built]
     assert layers[0] == layers[1] and len(layers[0]) == 2, layers
-    pycs = docker_client.containers.run(
-        tag, ["python3", "-c", "import importlib.util as u; print(open(u.cache_from_source("
-              f"'{site}/vllm/envs.py'), 'rb').read()[4:8].hex())"],
-        remove=True, network_mode="none").decode().split()
+    pycs = run_to_end(
+        docker_client, tag, ["python3", "-c", "import importlib.util as u; print(open("
+                             f"u.cache_from_source('{site}/vllm/envs.py'), 'rb').read()[4:8]"
+                             ".hex())"], "reading a pyc's flags").split()
     assert pycs[-1] == "03000000"  # flags: hash-based, checked
     labels = docker_client.images.get(tag).attrs["Config"]["Labels"]
     assert labels["org.vllm-e2.base-kind"] == "cpu"
@@ -89,9 +90,8 @@ def test_capacity_boot_reads_the_kv_line_of_both_images(project, cpu_base, docke
     project.e2("image", "build", "--base", BASE, "--tag", E2_TAG)
     model = tmp_path / "model"
     model.mkdir()
-    docker_client.containers.run(E2_TAG, ["python3", "-c", TINY_MODEL, "/model"], remove=True,
-                                 network_mode="none",
-                                 volumes={str(model): {"bind": "/model", "mode": "rw"}})
+    run_to_end(docker_client, E2_TAG, ["python3", "-c", TINY_MODEL, "/model"],
+               "writing the tiny model", volumes={str(model): {"bind": "/model", "mode": "rw"}})
     for weights in model.glob("*.safetensors"):
         weights.unlink()  # config.json is all a capacity boot needs
     project.e2("probe", "capacity", "--model", str(model), "--boot", "--docker",

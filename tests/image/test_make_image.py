@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,9 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
+
+from e2.container import run_to_end
+from e2.processes import free_port, poll_until
 
 from .conftest import REPO_ROOT, SERIES, VERSION
 
@@ -171,10 +173,9 @@ def test_the_printed_docker_run_line_serves_the_tiny_hybrid_model(clone, cold, t
     client = clone.client()
     model = tmp_path / "model"
     model.mkdir()
-    client.containers.run(cold.tag, ["python3", "-c", TINY_MODEL, "/model"], remove=True,
-                          network_mode="none",
-                          volumes={str(model): {"bind": "/model", "mode": "rw"}})
-    port = _free_port()
+    run_to_end(client, cold.tag, ["python3", "-c", TINY_MODEL, "/model"],
+               "writing the tiny model", volumes={str(model): {"bind": "/model", "mode": "rw"}})
+    port = free_port()
     # The printed line, with the options this tokenizer-less, tiny model needs appended
     # (vllm serve's own flags) and a free port, since --network host shares the machine's.
     line = (f"{cold.run_line} --skip-tokenizer-init --max-model-len 128 --max-num-seqs 2 "
@@ -218,30 +219,22 @@ def test_strict_make_image_refuses_in_one_line(clone, cold):
     assert f"building on the CPU base e2-base-cpu:{VERSION} instead" not in result.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _complete(server: subprocess.Popen, port: int, log: Path, deadline_s: float = 600) -> dict:
     body = json.dumps({"model": "/model", "prompt": [1, 17, 42, 99], "max_tokens": 4,
                        "temperature": 0}).encode()
-    started = time.monotonic()
-    while time.monotonic() - started < deadline_s:
-        if server.poll() is not None:
-            pytest.fail(f"docker run exited {server.returncode}:\n"
-                        + log.read_text(errors="replace")[-4000:])
+
+    def answer() -> dict | None:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
         try:
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                             data=body,
-                                             headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=60) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
             pytest.fail(f"/v1/completions answered {exc.code}: {exc.read()[:2000]!r}\n"
                         + log.read_text(errors="replace")[-4000:])
         except OSError:  # not listening yet
-            time.sleep(2)
-    pytest.fail(f"no answer on 127.0.0.1:{port} within {deadline_s:.0f} s:\n"
-                + log.read_text(errors="replace")[-4000:])
+            return None
+
+    return poll_until(answer, lambda: server.poll() is not None, deadline_s,
+                      f"docker run (127.0.0.1:{port})",
+                      lambda: log.read_text(errors="replace"), interval_s=2)

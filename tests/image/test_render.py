@@ -10,21 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from e2.errors import E2Error
-from e2.image import (
+from e2.dockerfile import (
     DOCKERFILE,
     OVERLAY_TAR,
-    base_kind,
-    check_base_ref,
-    default_tag,
     dockerfile_drift,
-    pin_base,
     render_dockerfile,
     reproducible_tar,
-    synced_manifest,
-    tag_version,
 )
+from e2.errors import E2Error
+from e2.image import base_kind, check_base_ref, default_tag, pin_base, tag_version
 from e2.imagebase import apt_mirror
+from e2.overlay import synced_manifest
 from e2.series import Project as SeriesProject
 
 from .conftest import REPO_ROOT, SERIES, VERSION

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import copy_checkout
 from e2 import cli
-from e2.probes import serve
+from e2.probes import serve_cases, serve_compare, serve_report, serve_settings
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_cpu_probe_stock_and_e2_match_on_every_case(probe_run):
     assert header["runner"] == "local" and header["device"].startswith("CPU")
     stock_block = record["sides"]["stock"]["modes"]["sync"]["engine"]["block_size"]
     preemptions = {}
-    for side in serve.SIDES:
+    for side in serve_settings.SIDES:
         sync = record["sides"][side]["modes"]["sync"]
         engine = sync["engine"]
         assert "KV cache size:" in engine["kv_line"]
@@ -68,7 +68,7 @@ def test_cpu_probe_stock_and_e2_match_on_every_case(probe_run):
         assert [cases[n]["requests"][0]["prompt_tokens"]
                 for n in ("len-block-1", "len-block", "len-block+1")] == [
                     stock_block - 1, stock_block, stock_block + 1]
-        assert engine["block_size"] in serve.edge_blocks(stock_block)
+        assert engine["block_size"] in serve_cases.edge_blocks(stock_block)
         assert cases["shared-prefix"]["prefix_cache_hits"] > 0
         over = cases["oversubscribed"]
         demand = sum(r["prompt_tokens"] for r in over["requests"]) + \
@@ -76,7 +76,7 @@ def test_cpu_probe_stock_and_e2_match_on_every_case(probe_run):
         assert demand > engine["kv_capacity_tokens"]
         preemptions[side] = over["preemptions"]
         for case in cases.values():
-            assert all(serve.complete(r, case["max_tokens"]) for r in case["requests"])
+            assert all(serve_compare.complete(r, case["max_tokens"]) for r in case["requests"])
     # the oversubscribed case makes stock preempt; E2's admission reserves decode
     # growth, so it preempts no more than stock
     assert preemptions["stock"] > 0 and preemptions["e2"] <= preemptions["stock"]
@@ -86,19 +86,19 @@ def test_cpu_probe_stock_and_e2_match_on_every_case(probe_run):
     assert all(r["matched"] == r["requests"] and r["ok"] for (m, _), r in rows.items()
                if m == "sync")
     # vLLM's CPU platform turns async scheduling off: reported, not passed
-    for side in serve.SIDES:
+    for side in serve_settings.SIDES:
         async_mode = record["sides"][side]["modes"]["async"]
         assert async_mode["engine"]["async_requested"] is True
         assert async_mode["engine"]["async_resolved"] is False
-        assert async_mode["skipped"] == serve.CPU_ASYNC_SKIP
+        assert async_mode["skipped"] == serve_settings.CPU_ASYNC_SKIP
     assert rows[("async", "(all)")]["verdict"] == "skipped"
-    assert serve.CPU_ASYNC_SKIP in probe_run["markdown"]
+    assert serve_settings.CPU_ASYNC_SKIP in probe_run["markdown"]
     assert "all cases match" in probe_run["markdown"]
 
 
 def _rejudge(record: dict, tmp_path: Path, capsys) -> tuple[int, dict, str]:
     capsys.readouterr()
-    code = serve.conclude(record, tmp_path, "serve-control")
+    code = serve_report.conclude(record, tmp_path, "serve-control")
     _, err = capsys.readouterr()
     return code, json.loads((tmp_path / "serve-control.json").read_text()), err
 
@@ -106,7 +106,7 @@ def _rejudge(record: dict, tmp_path: Path, capsys) -> tuple[int, dict, str]:
 def test_a_different_e2_token_is_a_mismatch_and_fails(probe_run, tmp_path, capsys):
     record = copy.deepcopy(probe_run["record"])
     request = record["sides"]["e2"]["modes"]["sync"]["cases"]["oversubscribed"]["requests"][3]
-    request["token_ids"][7] = (request["token_ids"][7] + 1) % serve.VOCAB
+    request["token_ids"][7] = (request["token_ids"][7] + 1) % serve_settings.VOCAB
     code, judged, err = _rejudge(record, tmp_path, capsys)
     assert code == 1 and not judged["ok"]
     bad = [r for r in judged["rows"] if not r["ok"]]
@@ -151,18 +151,18 @@ def test_an_e2_side_without_the_overlay_fails(probe_run, tmp_path, capsys):
 
 
 def test_cases_follow_the_block_size_and_capacity():
-    small = serve.build_cases(16, 200)
+    small = serve_cases.build_cases(16, 200)
     assert [len(c.prompts[0]) for c in small[:3]] == [15, 16, 17]
-    big = serve.build_cases(256, 3000)
+    big = serve_cases.build_cases(256, 3000)
     # Edges of the engine's block and of the kernel blocks below it (E2's
     # natural attention blocks).
-    assert serve.edge_blocks(256) == [256, 128, 64, 32, 16]
-    assert serve.edge_blocks(544) == [544, 256, 128, 64, 32, 16]
+    assert serve_cases.edge_blocks(256) == [256, 128, 64, 32, 16]
+    assert serve_cases.edge_blocks(544) == [544, 256, 128, 64, 32, 16]
     assert [len(c.prompts[0]) for c in big[:15]] == [
         n + d for n in (256, 128, 64, 32, 16) for d in (-1, 0, 1)]
     over = big[-1]
     assert over.concurrent and len(over.prompts) * (len(over.prompts[0]) + over.max_tokens) > 4 * 3000
-    shared = min(3 * 256, serve.MAX_MODEL_LEN // 2)  # three blocks, within max-model-len
+    shared = min(3 * 256, serve_settings.MAX_MODEL_LEN // 2)  # three blocks, within max-model-len
     prefix = big[15]
     assert prefix.prompts[0][:shared] == prefix.prompts[1][:shared]
     assert prefix.prompts[0][shared:] != prefix.prompts[1][shared:]

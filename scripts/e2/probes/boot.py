@@ -10,33 +10,46 @@ only the small models of the zoo boot.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from e2.container import LABEL_PROBE, Container
 from e2.errors import E2Error
+from e2.processes import free_port, started
 
 if TYPE_CHECKING:
     from docker import DockerClient
 
-    from e2.probes.capacity import Settings
-
 KV_LINE = re.compile(r"(?:\w+ )?KV cache size: ([\d,]+) tokens[^\n]*")
 GIB = 1 << 30
 BOOT_TIMEOUT_S = 600
+API_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+class Settings(Protocol):
+    """What a boot reads of the capacity probe's settings (e2.probe.Settings, frozen)."""
+
+    @property
+    def budget_gib(self) -> float: ...
+
+    @property
+    def tp(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def kv_dtype(self) -> str: ...
+
+    @property
+    def mamba_cache_mode(self) -> str: ...
 
 
 def engine_flags(model: Path, served_as: str, settings: Settings) -> list[str]:
@@ -58,35 +71,21 @@ def engine_flags(model: Path, served_as: str, settings: Settings) -> list[str]:
 
 
 def boot_command(python: Path, model: Path, settings: Settings) -> list[str]:
-    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
-            *engine_flags(model, str(model), settings),
-            "--host", "127.0.0.1", "--port", str(_free_port())]
+    return [str(python), *API_SERVER, "--model", *engine_flags(model, str(model), settings),
+            "--host", "127.0.0.1", "--port", str(free_port())]
 
 
-def _found(text: str, started: float) -> dict | None:
-    match = KV_LINE.search(text)
-    if match is None:
-        return None
-    return {"kv_line": match.group(0).strip(), "tokens": int(match.group(1).replace(",", "")),
-            "seconds": round(time.monotonic() - started, 1)}
-
-
-def _wait_for_kv_line(read_log: Callable[[], str], exited: Callable[[], bool], engine: str,
-                      model: Path, timeout_s: float) -> dict:
-    """Poll an engine's log until its KV cache size line, its exit, or the timeout."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        text = read_log()
-        found = _found(text, started)
-        if found:
-            return found
-        if exited():
-            tail = "\n".join(text.splitlines()[-15:])
-            raise E2Error(f"{engine} exited before logging its KV cache size for "
-                          f"{model.name}:\n{tail}")
-        time.sleep(1)
-    raise E2Error(f"no KV cache size line from {engine} for {model.name} within "
-                  f"{timeout_s:.0f} s")
+def _kv_line(read_log: Callable[[], str], started_at: float) -> Callable[[], dict | None]:
+    """The boot's answer once the log holds the KV cache size line: the line, its tokens
+    and the seconds since ``started_at``."""
+    def found() -> dict | None:
+        match = KV_LINE.search(read_log())
+        if match is None:
+            return None
+        return {"kv_line": match.group(0).strip(),
+                "tokens": int(match.group(1).replace(",", "")),
+                "seconds": round(time.monotonic() - started_at, 1)}
+    return found
 
 
 def read_boot_line_docker(client: DockerClient, image: str, model: Path, settings: Settings,
@@ -96,37 +95,14 @@ def read_boot_line_docker(client: DockerClient, image: str, model: Path, setting
     The model folder travels into the container as an archive (a remote host
     cannot see this machine's paths); ``gpus`` is 'all' or comma-separated ids.
     """
-    import io
-    import tarfile
-
-    import docker
-
-    requests = None
-    if gpus:
-        ids = None if gpus == "all" else gpus.split(",")
-        requests = [docker.types.DeviceRequest(count=-1 if ids is None else None,
-                                               device_ids=ids, capabilities=[["gpu"]])]
     # an explicit entrypoint: vllm/vllm-openai's own is `vllm serve`, local bases have none
-    container = client.containers.create(
-        image, ["--model", *engine_flags(model, "/e2-model", settings)],
-        entrypoint=["python3", "-m", "vllm.entrypoints.openai.api_server"],
-        environment={"HF_HUB_OFFLINE": "1"}, network_mode="none", shm_size="1g",
-        device_requests=requests, labels={"org.vllm-e2.probe": "capacity-boot"})
-    try:
-        archive = io.BytesIO()
-        with tarfile.open(fileobj=archive, mode="w") as tar:
-            tar.add(model, arcname="e2-model")
-        container.put_archive("/", archive.getvalue())
-        container.start()
-
-        def exited() -> bool:
-            container.reload()
-            return container.status == "exited"
-
-        return _wait_for_kv_line(lambda: container.logs().decode(errors="replace"), exited,
-                                 f"the engine in {image}", model, timeout_s)
-    finally:
-        container.remove(force=True)
+    box = Container(client, image, ["--model", *engine_flags(model, "/e2-model", settings)],
+                    entrypoint=["python3", *API_SERVER], env={"HF_HUB_OFFLINE": "1"},
+                    network="none", shm_size="1g", gpus=gpus,
+                    labels={LABEL_PROBE: "capacity-boot"}, files={"/e2-model": model})
+    with box:
+        return box.wait_until(_kv_line(box.logs, time.monotonic()), timeout_s,
+                              f"the engine in {image} booting {model.name}")
 
 
 def read_boot_line(python: Path, model: Path, settings: Settings, env: dict[str, str],
@@ -136,18 +112,8 @@ def read_boot_line(python: Path, model: Path, settings: Settings, env: dict[str,
         raise E2Error("--boot runs one engine process on this host: use --tp 1 "
                       "(or --docker on the GPU host)")
     env = {k: v for k, v in env.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # would override
-    with tempfile.NamedTemporaryFile("w+", prefix="e2-boot-", suffix=".log") as log:
-        process = subprocess.Popen(boot_command(python, model, settings), env=env,
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            return _wait_for_kv_line(lambda: Path(log.name).read_text(errors="replace"),
-                                     lambda: process.poll() is not None, "the engine", model,
-                                     timeout_s)
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
+    with tempfile.TemporaryDirectory(prefix="e2-boot-") as scratch, \
+            started(boot_command(python, model, settings), Path(scratch) / "engine.log",
+                    env) as engine:
+        return engine.wait_until(_kv_line(engine.log, time.monotonic()), timeout_s,
+                                 f"the engine booting {model.name}")

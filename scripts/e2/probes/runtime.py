@@ -20,6 +20,7 @@ import git
 from e2 import console
 from e2.cache import Cache
 from e2.errors import E2Error
+from e2.testenv import clean_env
 
 if TYPE_CHECKING:
     from e2.cli import GlobalOptions
@@ -43,8 +44,7 @@ class Runtime:
     image_packages: Path | None = None  # the engine image's packages the selection needs
 
     def env(self, side: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("VLLM_E2_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env = clean_env()
         env["HF_HUB_OFFLINE"] = "1"
         paths = [str(self.view)] if side == "e2" and self.view else []
         if self.needs_stub:

@@ -3,8 +3,8 @@
 Runs under a python with torch and transformers (the e2 env's venv, or an
 engine image), never the driver's: ``python tiny_model.py OUT [--seed N]``.
 The weights depend on the seed only, so stock and E2 serve the same model.
-Stdlib + torch + transformers only: e2.probes.serve also runs this file's
-source inside an engine container.
+Stdlib + torch + transformers only: e2.probes.serve_model also runs this
+file's source inside an engine container.
 
 Shape choices: linear-attention (GDN) head dims are 128 because the CPU GDN
 kernels want them; 4 GDN heads and 8 KV heads split evenly for tensor

@@ -1,0 +1,251 @@
+"""Where the serve probe's engines run: this host's test env, or containers of the images.
+
+A runner's ``start(side, mode)`` is a context manager yielding an ``Engine``,
+healthy, stopped and cleaned up when the block ends. Locally each engine is
+``vllm serve``'s API server from the e2 env's venv in its own process group
+(E2: the same python with the e2 view first on PYTHONPATH). With Docker it is
+a container of the stock or E2 image on DOCKER_HOST, with no network: the
+probe talks to it by ``docker exec`` of the stdlib client, so a remote host
+needs nothing but its Docker daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from e2.container import LABEL_PROBE, Container
+from e2.dockerhost import pull_if_missing
+from e2.errors import E2Error
+from e2.probes.serve_client import client_source, http, post_all
+from e2.probes.serve_model import ensure_model_volume, volume_name
+from e2.probes.serve_settings import (
+    BOOT_TIMEOUT,
+    KV_CACHE_BYTES,
+    MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
+    REQUEST_TIMEOUT,
+    SEED,
+    SERVED_NAME,
+)
+from e2.processes import ProcessGroup, free_port, started
+
+if TYPE_CHECKING:
+    from docker import DockerClient
+
+API_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
+
+
+def engine_args(model: str, port: int, mode: str, tp: int,
+                kv_bytes: int = KV_CACHE_BYTES) -> list[str]:
+    args = ["--model", model, "--served-model-name", SERVED_NAME, "--skip-tokenizer-init",
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--kv-cache-memory-bytes", str(kv_bytes),
+            "--enable-prefix-caching", "--enforce-eager", "--seed", str(SEED),
+            "--async-scheduling" if mode == "async" else "--no-async-scheduling"]
+    if tp > 1:
+        args += ["--tensor-parallel-size", str(tp)]
+    return args
+
+
+def engine_env() -> dict[str, str]:
+    # VLLM_SERVER_DEV_MODE: /server_info, the resolved config. VLLM_CPU_KVCACHE_SPACE
+    # is whole GiB (300k tokens here) and would override --kv-cache-memory-bytes.
+    return {"HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1"}
+
+
+class Engine(Protocol):
+    """A started server: the probe's three ways to talk to it, and its boot time."""
+
+    side: str
+    mode: str
+    boot_s: float
+
+    def get(self, path: str) -> str: ...
+
+    def post_all(self, bodies: list[dict], hold: float = 0.0) -> list[dict]: ...
+
+    def log(self) -> str: ...
+
+
+class Runner(Protocol):
+    """Where the engines run: LocalRunner (this host's venv) or DockerRunner (the images)."""
+
+    kind: str
+    on_cpu: bool
+    kv_bytes: int
+
+    def start(self, side: str, mode: str) -> AbstractContextManager[Engine]: ...
+
+    def device(self, engine: Engine) -> str | None: ...
+
+    def describe(self) -> dict: ...
+
+
+# ---------------------------------------------------------------- local
+
+
+class LocalEngine(Engine):
+    def __init__(self, process: ProcessGroup, port: int, side: str, mode: str):
+        self.process, self.port, self.side, self.mode = process, port, side, mode
+        self.base = f"http://127.0.0.1:{port}"
+        self.boot_s = 0.0
+
+    def get(self, path: str) -> str:
+        return http(self.base, path, timeout=60)
+
+    def post_all(self, bodies: list[dict], hold: float = 0.0) -> list[dict]:
+        return post_all(self.base, bodies, REQUEST_TIMEOUT, hold)
+
+    def log(self) -> str:
+        return self.process.log()
+
+
+class LocalRunner:
+    """Engines from the e2 env's venv: stock, or E2 with the view first on PYTHONPATH."""
+
+    kind = "local"
+    on_cpu = True
+
+    def __init__(self, python: Path, view: Path | None, run_env: dict[str, dict[str, str]],
+                 model: Path, logs: Path, tp: int = 1, kv_bytes: int = KV_CACHE_BYTES):
+        self.python, self.view, self.model, self.logs, self.tp = python, view, model, logs, tp
+        self.run_env, self.kv_bytes = run_env, kv_bytes
+
+    def command(self, side: str, mode: str, port: int) -> list[str]:
+        return [str(self.python), *API_SERVER,
+                *engine_args(str(self.model), port, mode, self.tp, self.kv_bytes)]
+
+    @contextlib.contextmanager
+    def start(self, side: str, mode: str) -> Iterator[Engine]:
+        port = free_port()
+        env = {**self.run_env[side], **engine_env()}
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        command = self.command(side, mode, port)
+        with started(command, self.logs / f"{side}-{mode}.log", env, cwd=self.logs,
+                     header=f"$ {shlex.join(command)}\n") as process:
+            engine = LocalEngine(process, port, side, mode)
+            engine.boot_s = process.wait_http(f"{engine.base}/health", BOOT_TIMEOUT,
+                                              f"{side} engine ({mode})")
+            yield engine
+
+    def device(self, engine: Engine) -> str | None:
+        return None  # the header names this host's CPU
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "python": str(self.python),
+                "view": str(self.view) if self.view else None}
+
+
+# ---------------------------------------------------------------- docker
+
+
+class DockerEngine(Engine):
+    PORT = 8000
+
+    def __init__(self, box: Container, side: str, mode: str):
+        self.box, self.side, self.mode = box, side, mode
+        self.base = f"http://127.0.0.1:{self.PORT}"
+        self.boot_s = 0.0
+
+    def _call(self, call: dict) -> dict:
+        code, output = self.box.exec(["python3", "-c", client_source()],
+                                     env={"E2_SERVE_CALL": json.dumps(call)})
+        text = output.strip()
+        try:
+            answer = json.loads(text.splitlines()[-1])
+        except (json.JSONDecodeError, IndexError):
+            raise E2Error(f"the in-container client failed (exit {code}): "
+                          f"{text[-1000:]}") from None
+        if not answer["ok"]:
+            raise E2Error(answer["error"])
+        return answer
+
+    def get(self, path: str) -> str:
+        return self._call({"op": "get", "base": self.base, "path": path, "timeout": 60})["text"]
+
+    def healthy(self) -> bool:
+        import docker
+
+        try:
+            self.get("/health")
+        except (E2Error, docker.errors.APIError):  # not listening yet; not running (exec)
+            return False
+        return True
+
+    def post_all(self, bodies: list[dict], hold: float = 0.0) -> list[dict]:
+        return self._call({"op": "post", "base": self.base, "bodies": bodies,
+                           "timeout": REQUEST_TIMEOUT, "hold": hold})["answers"]
+
+    def log(self) -> str:
+        return self.box.logs()
+
+
+class DockerRunner:
+    """Engines in the stock and E2 images, through the Docker SDK (DOCKER_HOST honoured)."""
+
+    kind = "docker"
+    MOUNT = "/model"
+
+    def __init__(self, client: DockerClient, images: dict[str, str], gpus: str | None, tp: int,
+                 logs: Path, seed: int = SEED, kv_bytes: int = KV_CACHE_BYTES):
+        self.client, self.images, self.gpus, self.tp, self.logs = client, images, gpus, tp, logs
+        self.kv_bytes, self.seed = kv_bytes, seed
+        self.volume = volume_name(seed)
+        self.on_cpu = not gpus
+        info = client.info()
+        self.host_info = {k: info.get(k) for k in ("Name", "NCPU", "OperatingSystem",
+                                                   "ServerVersion")}
+        self.image_ids = {side: self._image(ref) for side, ref in images.items()}
+
+    def _image(self, ref: str) -> dict:
+        image = pull_if_missing(self.client, ref)
+        digests = image.attrs.get("RepoDigests") or []
+        return {"ref": ref, "id": image.id, "digest": digests[0] if digests else None}
+
+    def ensure_model(self) -> str:
+        """The volume holding the tiny model, written by the stock image's own transformers."""
+        return ensure_model_volume(self.client, self.images["stock"], self.MOUNT, self.seed)
+
+    @contextlib.contextmanager
+    def start(self, side: str, mode: str) -> Iterator[Engine]:
+        command = engine_args(self.MOUNT, DockerEngine.PORT, mode, self.tp, self.kv_bytes)
+        box = Container(self.client, self.images[side], command,
+                        entrypoint=["python3", *API_SERVER], env=engine_env(), network="none",
+                        shm_size="4g", gpus=self.gpus, labels={LABEL_PROBE: "serve"},
+                        volumes={self.volume: {"bind": self.MOUNT, "mode": "ro"}})
+        with box:
+            engine = DockerEngine(box, side, mode)
+            try:
+                booting = time.monotonic()
+                box.wait_until(lambda: True if engine.healthy() else None, BOOT_TIMEOUT,
+                               f"{side} engine ({mode})")
+                engine.boot_s = round(time.monotonic() - booting, 1)
+                yield engine
+            finally:
+                self.logs.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(OSError):  # never hides why the block ended
+                    (self.logs / f"{side}-{mode}.log").write_text(box.logs())
+
+    def device(self, engine: Engine) -> str | None:
+        if not self.gpus or not isinstance(engine, DockerEngine):
+            return (f"CPU ({self.host_info['NCPU']} cores) on Docker host "
+                    f"{self.host_info['Name']}")
+        code, output = engine.box.exec(["nvidia-smi", "--query-gpu=name",
+                                        "--format=csv,noheader"])
+        names = output.strip().splitlines()
+        return f"{len(names)}x {names[0]}" if code == 0 and names else "GPU"
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "docker_host": os.environ.get("DOCKER_HOST") or "default",
+                "images": self.image_ids, "gpus": self.gpus, "tp": self.tp,
+                "model_volume": self.volume, "docker_info": self.host_info}

@@ -1,0 +1,171 @@
+"""The serve probe's cases and how one side runs them.
+
+The cases come from what the engine itself reports (its block size and KV
+capacity): prompts of block-1, block and block+1 tokens for the engine's block
+and the kernel blocks below it; two requests sharing a long prefix (a
+prefix-cache hit); more concurrent requests than the KV pool holds
+(preemption and resume). Greedy, fixed ``max_tokens``, ``ignore_eos``;
+prompts are token ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+
+from e2 import console
+from e2.probes.engines import Engine, Runner
+from e2.probes.serve_metrics import inspect_engine, metrics
+from e2.probes.serve_settings import (
+    CPU_ASYNC_SKIP,
+    HOLD_S,
+    MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
+    MAX_TOKENS,
+    MODES,
+    SEED,
+    SERVED_NAME,
+    VOCAB,
+)
+
+
+@dataclass
+class Case:
+    name: str
+    what: str
+    prompts: list[list[int]]
+    max_tokens: int
+    concurrent: bool = False
+    expect: str | None = None           # prefix_hits | preemptions: the path it must take
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def edge_blocks(block: int) -> list[int]:
+    """The block sizes whose edges the cases probe: the engine's, and the kernel
+    block sizes below it (powers of two from 256 down to 16), where E2's
+    natural attention block lies (16 with FlashAttention, 32 on the CPU)."""
+    return [block] + [size for size in (256, 128, 64, 32, 16) if size < block]
+
+
+def build_cases(block: int, capacity: int, max_model_len: int = MAX_MODEL_LEN,
+                seed: int = SEED) -> list[Case]:
+    """The cases for a stock engine with this block size and KV capacity (tokens);
+    both sides run the same ones."""
+    rng = random.Random(seed)
+    cases = []
+    for edge in edge_blocks(block):
+        name = "len-block" if edge == block else f"len-{edge}"
+        cases += [Case(f"{name}{d:+d}".replace("+0", ""), f"one prompt of {edge + d} tokens "
+                       f"(block {edge}{d:+d})".replace("+0)", ")"), [_tokens(rng, edge + d)],
+                       MAX_TOKENS) for d in (-1, 0, 1)]
+    prefix_len = min(3 * block, max_model_len // 2)
+    prefix = _tokens(rng, prefix_len)
+    cases.append(Case("shared-prefix", f"two requests, one after the other, sharing a "
+                      f"{prefix_len}-token prefix", [prefix + _tokens(rng, 7),
+                                                     prefix + _tokens(rng, 9)],
+                      MAX_TOKENS, expect="prefix_hits"))
+    # Outputs of half a block: stock and E2 batch these requests differently (E2
+    # preempts less), and a long bf16 greedy decode can flip a near-tie token
+    # with the batch it ran in.
+    prompt = min(block, max_model_len // 4)
+    out = min(block // 2, max_model_len // 2)
+    # Four times the pool, so stock preempts and resumes.
+    count = min(MAX_NUM_SEQS, max(4, math.ceil(4 * capacity / (prompt + out)) + 1))
+    cases.append(Case("oversubscribed", f"{count} concurrent requests of {prompt}+{out} tokens "
+                      f"against a {capacity}-token KV pool", [_tokens(rng, prompt)
+                                                              for _ in range(count)],
+                      out, concurrent=True, expect="preemptions"))
+    return cases
+
+
+def _body(prompt: list[int] | list[list[int]], max_tokens: int) -> dict:
+    return {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+
+def run_case(engine: Engine, case: Case) -> dict:
+    before = metrics(engine)
+    started = time.monotonic()
+    if case.concurrent:
+        # Concurrent requests, held at a paused engine until all are queued: otherwise
+        # they land in the engine's steps by timing, the schedule (and with it the
+        # preemptions) differs from run to run, and bf16 numerics follow the batch.
+        answers = engine.post_all([_body(p, case.max_tokens) for p in case.prompts],
+                                  hold=HOLD_S)
+        pairs = [(a, (a.get("choices") or [{}])[0]) for a in answers]
+    else:
+        pairs = []
+        for prompt in case.prompts:
+            answer = engine.post_all([_body(prompt, case.max_tokens)])[0]
+            pairs.append((answer, (answer.get("choices") or [{}])[0]))
+    seconds = round(time.monotonic() - started, 2)
+    after = metrics(engine)
+    requests = []
+    for prompt, (answer, choice) in zip(case.prompts, pairs):
+        ids = choice.get("token_ids")
+        requests.append({"prompt_tokens": len(prompt), "token_ids": ids,
+                         "finish_reason": choice.get("finish_reason"),
+                         "error": answer.get("error") or (None if ids is not None
+                                                          else "no token_ids in the answer")})
+
+    def delta(name: str) -> int:
+        return int(after.get(name, 0.0) - before.get(name, 0.0))
+
+    return {"case": case.name, "seconds": seconds, "requests": requests,
+            "prefix_cache_hits": delta("vllm:prefix_cache_hits_total"),
+            "prefix_cache_queries": delta("vllm:prefix_cache_queries_total"),
+            "preemptions": delta("vllm:num_preemptions_total")}
+
+
+def run_side(runner: Runner, side: str, plan: dict[str, int],
+             modes: tuple[str, ...] = MODES) -> dict:
+    """The modes asked for (both by default) on one side: its engines' reports and
+    each case's outputs.
+
+    ``plan`` holds the block size and KV capacity the cases are built for: the
+    first engine started fills it, so both sides run the same prompts even
+    where E2's blocks differ from stock's."""
+    result: dict = {"modes": {}}
+    for mode in modes:
+        with contextlib.ExitStack() as stack:
+            with console.status(f"{side}: starting the engine ({mode} scheduling)"):
+                engine = stack.enter_context(runner.start(side, mode))
+            info = inspect_engine(engine)
+            console.info(f"{side} {mode}: healthy in {info.boot_s:.0f}s; block {info.block_size}"
+                         f", {info.kv_line}; async scheduling resolved: {info.async_resolved}")
+            entry: dict = {"engine": asdict(info)}
+            if "device" not in result and (device := runner.device(engine)):
+                result["device"] = device
+            if mode == "async" and info.async_resolved is not True:
+                entry["skipped"] = _async_skip_reason(runner, info.async_resolved)
+                console.info(f"{side} async: the engine resolved async_scheduling="
+                             f"{info.async_resolved}; async cases {entry['skipped']}")
+            else:
+                plan.setdefault("block", info.block_size)
+                plan.setdefault("capacity", info.kv_capacity_tokens)
+                entry["cases"] = _run_cases(engine, build_cases(plan["block"], plan["capacity"]))
+            result["modes"][mode] = entry
+    return result
+
+
+def _async_skip_reason(runner: Runner, resolved: bool | None) -> str:
+    if resolved is None:
+        return "not run: the engine's resolved config could not be read"
+    if runner.on_cpu:
+        return CPU_ASYNC_SKIP
+    return "not run: the engine turned async scheduling off"
+
+
+def _run_cases(engine: Engine, cases: list[Case]) -> dict[str, dict]:
+    results = {}
+    for case in cases:
+        with console.status(f"{engine.side} {engine.mode}: {case.name}"):
+            results[case.name] = {**run_case(engine, case), "what": case.what,
+                                  "max_tokens": case.max_tokens, "expect": case.expect}
+    return results

@@ -1,0 +1,83 @@
+"""The serve probe's HTTP client: stdlib only, because it also runs inside an engine
+container (``docker exec`` of ``client_source()``), where only the image's python is.
+
+In a container the call comes in E2_SERVE_CALL ({"op", "base", ...}) and the
+answer goes to stdout as one JSON line.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import urllib.error
+import urllib.request
+
+
+def http(base: str, path: str, body: dict | None = None, timeout: float = 600) -> str:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(base + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def post_all(base: str, bodies: list, timeout: float = 600, hold: float = 0.0) -> list:
+    """POST every body to /v1/completions at once (one thread each); answers in order.
+
+    ``hold`` > 0: the engine is paused (dev mode's /pause?mode=keep queues new requests)
+    while the bodies go in, a quarter second apart (so they queue in order), and resumed
+    ``hold`` seconds after the last: its scheduler sees every request at once, in the
+    same order, and runs the same schedule on every run.
+    """
+    import threading
+    import time
+
+    answers: list = [None] * len(bodies)
+
+    def one(index: int) -> None:
+        try:
+            answers[index] = json.loads(http(base, "/v1/completions", bodies[index], timeout))
+        except urllib.error.HTTPError as exc:
+            answers[index] = {"error": f"HTTP {exc.code}: {exc.read()[:500]!r}"}
+        except Exception as exc:  # noqa: BLE001 - reported per request
+            answers[index] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    if hold > 0:
+        http(base, "/pause?mode=keep", {}, 60)
+    try:
+        for thread in threads:
+            thread.start()
+            if hold > 0:
+                time.sleep(0.25)  # one at a time: the queue order is the prompts' order
+        if hold > 0:
+            time.sleep(hold)
+    finally:
+        if hold > 0:
+            http(base, "/resume", {}, 60)
+    for thread in threads:
+        thread.join()
+    return answers
+
+
+def _client_main() -> None:
+    """Inside a container: E2_SERVE_CALL holds {"op", "base", ...}; the answer goes to stdout."""
+    call = json.loads(os.environ["E2_SERVE_CALL"])
+    try:
+        if call["op"] == "get":
+            print(json.dumps({"ok": True, "text": http(call["base"], call["path"],
+                                                       timeout=call["timeout"])}))
+        else:
+            print(json.dumps({"ok": True, "answers": post_all(
+                call["base"], call["bodies"], call["timeout"], call["hold"])}))
+    except Exception as exc:  # noqa: BLE001 - the probe decides what it means
+        print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+
+
+def client_source() -> str:
+    """This module's client as a script for ``python3 -c`` (it runs ``_client_main``)."""
+    parts = ["from __future__ import annotations", "import json, os, urllib.error, "
+             "urllib.request"]
+    parts += [inspect.getsource(f) for f in (http, post_all, _client_main)]
+    return "\n\n".join(parts) + "\n\n_client_main()\n"

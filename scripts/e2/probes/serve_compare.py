@@ -1,0 +1,129 @@
+"""The serve probe's verdict: stock and E2 compared request by request.
+
+Every request's output token ids must agree exactly, every request must be
+complete (its full ``max_tokens``), each case must have taken its path (a
+prefix-cache hit, stock's preemptions; E2 preempting no more than stock), and
+each side must be what it claims (E2's boot report on E2 only). A row with a
+problem fails the probe; async rows the engine turned off are skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from e2.probes.serve_settings import MODES
+
+
+def complete(request: dict, max_tokens: int) -> bool:
+    ids = request.get("token_ids")
+    return request.get("error") is None and isinstance(ids, list) and len(ids) == max_tokens
+
+
+@dataclass
+class Row:
+    mode: str
+    case: str
+    requests: int
+    complete: dict[str, int]                    # side -> complete requests
+    output_tokens: dict[str, int]
+    matched: int                                # requests whose token ids agree exactly
+    exercised: dict[str, str]                   # side -> what the path counters say
+    kv_lines: dict[str, str]
+    skipped: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.skipped is not None or not self.problems
+
+    @property
+    def verdict(self) -> str:
+        return "skipped" if self.skipped else ("ok" if self.ok else "FAIL")
+
+
+def compare(stock: dict, e2: dict) -> list[Row]:
+    """Request-by-request, per mode and case; a row's problems make the probe fail."""
+    rows = []
+    for mode in (m for m in MODES if m in stock["modes"] or m in e2["modes"]):
+        s_mode, e_mode = stock["modes"].get(mode, {}), e2["modes"].get(mode, {})
+        kv = {side: m.get("engine", {}).get("kv_line", "") for side, m in
+              (("stock", s_mode), ("e2", e_mode))}
+        problems = _identity(mode, s_mode, e_mode)
+        skipped = s_mode.get("skipped") or e_mode.get("skipped")
+        if skipped:
+            if bool(s_mode.get("skipped")) != bool(e_mode.get("skipped")):
+                problems.append("one side ran async scheduling, the other did not")
+            rows.append(Row(mode, "(all)", 0, {}, {}, 0, {}, kv, skipped, problems))
+            continue
+        names = list(dict.fromkeys([*s_mode.get("cases", {}), *e_mode.get("cases", {})]))
+        for name in names:
+            s_case, e_case = s_mode["cases"].get(name), e_mode["cases"].get(name)
+            if s_case is None or e_case is None:
+                rows.append(Row(mode, name, 0, {}, {}, 0, {}, kv, None,
+                                [f"only on {'stock' if e_case is None else 'e2'}"]))
+                continue
+            row = _compare_case(mode, name, s_case, e_case, kv)
+            row.problems[:0], problems = problems, []  # identity problems once per mode
+            rows.append(row)
+        if problems:
+            rows.append(Row(mode, "(engines)", 0, {}, {}, 0, {}, kv, None, problems))
+    return rows
+
+
+def _identity(mode: str, s_mode: dict, e_mode: dict) -> list[str]:
+    """E2 must really be E2 (its boot report in the log), stock must not."""
+    problems = []
+    if s_mode.get("engine", {}).get("e2_banner"):
+        problems.append("the stock engine logged E2's boot report: it is not stock vLLM")
+    if e_mode and not e_mode.get("engine", {}).get("e2_banner"):
+        problems.append("the E2 engine did not log E2's boot report (vLLM E2 series ...): "
+                        "the overlay is not in effect")
+    return problems
+
+
+def _compare_case(mode: str, name: str, s_case: dict, e_case: dict, kv: dict) -> Row:
+    problems = []
+    sides = {"stock": s_case, "e2": e_case}
+    n = len(s_case["requests"])
+    if len(e_case["requests"]) != n:
+        problems.append(f"{n} requests on stock, {len(e_case['requests'])} on e2")
+    done = {side: sum(complete(r, c["max_tokens"]) for r in c["requests"])
+            for side, c in sides.items()}
+    tokens = {side: sum(len(r.get("token_ids") or []) for r in c["requests"])
+              for side, c in sides.items()}
+    for side, case in sides.items():
+        if done[side] != len(case["requests"]):
+            errors = {r.get("error") for r in case["requests"] if r.get("error")}
+            problems.append(f"{side}: {done[side]}/{len(case['requests'])} complete"
+                            + (f" ({'; '.join(sorted(errors))[:300]})" if errors else ""))
+    matched = 0
+    for index, (s_req, e_req) in enumerate(zip(s_case["requests"], e_case["requests"])):
+        if s_req.get("token_ids") is not None and s_req.get("token_ids") == e_req.get("token_ids"):
+            matched += 1
+        else:
+            first = _first_difference(s_req.get("token_ids") or [], e_req.get("token_ids") or [])
+            problems.append(f"request {index}: token ids differ from position {first}")
+    exercised = {}
+    for side, case in sides.items():
+        expect = case.get("expect")
+        if expect == "prefix_hits":
+            exercised[side] = f"{case['prefix_cache_hits']} prefix-cache hit tokens"
+            if case["prefix_cache_hits"] <= 0:
+                problems.append(f"{side}: no prefix-cache hit (vllm:prefix_cache_hits)")
+        elif expect == "preemptions":
+            # Stock must preempt and resume; E2, which admits with the room its
+            # requests will take, must not preempt more often.
+            exercised[side] = f"{case['preemptions']} preemptions"
+            if side == "stock" and case["preemptions"] <= 0:
+                problems.append("stock: no preemption (vllm:num_preemptions)")
+            if side == "e2" and case["preemptions"] > s_case["preemptions"]:
+                problems.append(f"e2 preempted {case['preemptions']} times, stock "
+                                f"{s_case['preemptions']}")
+    return Row(mode, name, n, done, tokens, matched, exercised, kv, None, problems)
+
+
+def _first_difference(a: list, b: list) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))

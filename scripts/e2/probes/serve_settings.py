@@ -1,0 +1,22 @@
+"""The serve probe's fixed settings: the tiny model, the engines' limits, the sides.
+
+Every serve module reads them from here, so both sides and every case agree.
+"""
+
+from __future__ import annotations
+
+SEED = 0
+SERVED_NAME = "tiny"
+VOCAB = 512                        # tiny_model.CONFIG["vocab_size"]; ids 0-2 are special
+MAX_MODEL_LEN = 1024
+MAX_TOKENS = 16
+KV_CACHE_BYTES = 12 << 20          # under 2k tokens for the tiny model: preemption
+TP_SIZES = (1, 2, 4)               # what the tiny model's heads split into
+MAX_NUM_SEQS = 32
+BOOT_TIMEOUT = 600
+HOLD_S = 2.0                       # a paused engine queues the concurrent requests this long
+REQUEST_TIMEOUT = 600
+MODES = ("sync", "async")
+SIDES = ("stock", "e2")
+CPU_ASYNC_SKIP = "not run on the CPU (the GPU host covers them)"
+FORMAT = 1
