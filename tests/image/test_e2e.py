@@ -31,7 +31,7 @@ E2_TAG = "e2-test:cpu"
 def cpu_base(docker_client, upstream_cache, tmp_path_factory):
     from .conftest import Project
 
-    project = Project(tmp_path_factory.mktemp("base") / "project", upstream_cache)
+    project = Project(tmp_path_factory.mktemp("base") / "project", upstream_cache.cache)
     started = time.monotonic()
     project.e2("image", "base", "--cpu", "--tag", BASE)
     image = docker_client.images.get(BASE)
