@@ -140,7 +140,9 @@ def _remove_e2_images(clone: Clone) -> None:
 
 def _built(result: subprocess.CompletedProcess, seconds: float) -> Built:
     assert result.returncode == 0, f"make image failed\n{result.stdout}\n{result.stderr}"
-    tag = re.search(r"^built (\S+) ", result.stdout, re.M).group(1)
+    # the E2 image's line ("built TAG (ID) on BASE"), not the CPU base's ("built TAG in N s"),
+    # which a cold cache prints first when it has to build the base
+    tag = re.search(r"^built (\S+) \(\S+\) on ", result.stdout, re.M).group(1)
     [run_line] = [line.strip() for line in result.stdout.splitlines() if " docker run " in line]
     return Built(result, seconds, tag, run_line)
 
