@@ -228,7 +228,7 @@ def _ratio_cells(run: dict, lengths: list[int], flags: list[str]) -> list[tuple 
         if s_row is None or e_row is None:
             cells.append(None)
             continue
-        flagged = any(f.startswith(f"{run['model']} {run['setting']} L={n} ") for f in flags)
+        flagged = any(f.startswith(f"{run['model']} {run['setting']} L={n}:") for f in flags)
         cells.append((s_row["distinct_ratio"], e_row["distinct_ratio"], flagged))
     return cells
 
