@@ -20,8 +20,8 @@ from vllm.v1.core.single_type_kv_cache_manager import (
 )
 from vllm.v1.core.state_pool import (
     PagePool,
-    align_boundary_pages,
     slab_blocks_per_page,
+    slab_blocks_to_allocate,
 )
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
@@ -230,31 +230,21 @@ class KVCacheCoordinator(ABC):
         num_blocks_to_allocate = 0
         if self.retention_interval != 0:
             prefill_end = 0
-        # vLLM E2: slab groups' blocks are counted as the pages they take.
-        slab_new_blocks = 0
-        slab_touched: list[KVCacheBlock] = []
+        if self.slab_pool is not None:
+            # vLLM E2: slab groups' blocks count as the pages they take.
+            return slab_blocks_to_allocate(
+                self,
+                request_id,
+                num_tokens,
+                new_computed_blocks,
+                total_computed_tokens,
+                num_local_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap,
+                prefill_end,
+            )
         for i, manager in enumerate(self.single_type_managers):
-            if manager.block_pool is self.slab_pool:
-                needed = manager.get_num_blocks_to_allocate(
-                    request_id,
-                    num_tokens,
-                    new_computed_blocks[i],
-                    total_computed_tokens,
-                    num_local_computed_tokens,
-                    num_tokens_main_model,
-                    apply_admission_cap=apply_admission_cap,
-                    prefill_end=prefill_end,
-                )
-                if new_computed_blocks[i]:
-                    touched = [
-                        b
-                        for b in new_computed_blocks[i]
-                        if b.ref_cnt == 0 and not b.is_null
-                    ]
-                    slab_touched += touched
-                    needed -= len(touched)
-                slab_new_blocks += max(0, needed)
-            elif isinstance(manager, CrossAttentionManager):
+            if isinstance(manager, CrossAttentionManager):
                 # For cross-attention, we issue a single static allocation
                 # of blocks based on the number of encoder input tokens.
                 num_blocks_to_allocate += manager.get_num_blocks_to_allocate(
@@ -277,15 +267,6 @@ class KVCacheCoordinator(ABC):
                     apply_admission_cap=apply_admission_cap,
                     prefill_end=prefill_end,
                 )
-        if self.slab_pool is not None:
-            if apply_admission_cap:
-                slab_new_blocks += self.slab_reserved_blocks
-                num_blocks_to_allocate += self.reserved_state_pages + (
-                    align_boundary_pages(self)
-                )
-            num_blocks_to_allocate += self.slab_pool.pages_needed(
-                slab_new_blocks, slab_touched
-            )
         return num_blocks_to_allocate
 
     def allocate_new_computed_blocks(

@@ -301,17 +301,26 @@ def reserve_running_requests(
 def _reserve(coordinator: KVCacheCoordinator, running: Iterable[Request]) -> tuple[int, int]:
     """Slab blocks and boundary state pages ``running`` may still take. The
     scheduler runs it over the whole batch once a step, so the groups are
-    sorted out once."""
+    sorted out once and decode_headroom is inlined: this loop is the reserve's
+    whole cost in a saturated step."""
     slab_blocks = [(m.req_to_blocks, m.block_size) for m in _slab_managers(coordinator)]
     align_blocks = _align_block_sizes(coordinator)
     max_model_len = coordinator.max_model_len
     blocks = pages = 0
     for request in running:
-        headroom = decode_headroom(request)
-        horizon = min(request.num_tokens + headroom, max_model_len)
+        num_tokens = request.num_tokens
+        headroom = request.max_tokens - request.num_output_tokens
+        if headroom > DECODE_HEADROOM_TOKENS:
+            headroom = DECODE_HEADROOM_TOKENS
+        elif headroom < 0:
+            headroom = 0
+        horizon = num_tokens + headroom
+        if horizon > max_model_len:
+            horizon = max_model_len
         request_id = request.request_id
         for req_to_blocks, block_size in slab_blocks:
-            need = cdiv(horizon, block_size) - len(req_to_blocks.get(request_id, ()))
+            held = req_to_blocks.get(request_id)
+            need = -(-horizon // block_size) - (len(held) if held else 0)
             if need > 0:
                 blocks += need
         if align_blocks:
@@ -342,6 +351,58 @@ def _boundary_pages(request: Request, headroom: int, align_blocks: list[int]) ->
     )
 
 
+def slab_blocks_to_allocate(
+    coordinator: KVCacheCoordinator,
+    request_id: str,
+    num_tokens: int,
+    new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+    total_computed_tokens: int,
+    num_local_computed_tokens: int,
+    num_tokens_main_model: int,
+    apply_admission_cap: bool,
+    prefill_end: int,
+) -> int:
+    """The coordinator's get_num_blocks_to_allocate with attention slabs: state
+    groups count pages, slab groups count blocks that are then turned into the
+    pages they take (pages_needed), and admission (``apply_admission_cap``)
+    adds what the running requests may still take. Every call of a saturated
+    step comes here, so the groups are told apart by pool, once each: a slab
+    model has only full attention and state groups (slab_ineligibility)."""
+    slab = coordinator.slab_pool
+    assert slab is not None
+    pages = slab_new_blocks = 0
+    slab_touched: list[KVCacheBlock] = []
+    for i, manager in enumerate(coordinator.single_type_managers):
+        needed = manager.get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            new_computed_blocks[i],
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap=apply_admission_cap,
+            prefill_end=prefill_end,
+        )
+        if manager.block_pool is not slab:
+            pages += needed
+            continue
+        if new_computed_blocks[i]:
+            # Free cached blocks a prefix hit touches: their pages, not new ones.
+            touched = [
+                b for b in new_computed_blocks[i] if b.ref_cnt == 0 and not b.is_null
+            ]
+            slab_touched += touched
+            needed -= len(touched)
+        if needed > 0:
+            slab_new_blocks += needed
+    if apply_admission_cap:
+        slab_new_blocks += coordinator.slab_reserved_blocks
+        pages += coordinator.reserved_state_pages + align_boundary_pages(coordinator)
+    if slab_new_blocks or slab_touched:
+        pages += slab.pages_needed(slab_new_blocks, slab_touched)
+    return pages
+
+
 # ---------------------------------------------------------------- pools
 
 
@@ -358,6 +419,10 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
         self.free_in_page = [0] * num_pages
         # Pages by their number of free blocks, 1..k (k: idle pages).
         self.pages_with_free: list[set[int]] = [set() for _ in range(blocks_per_page + 1)]
+        self.idle_pages = self.pages_with_free[blocks_per_page]
+        # Pages whose last block came free since the slab last looked: what a
+        # free may hand back, without walking the freed blocks again.
+        self.newly_idle: set[int] = set()
 
     def _count(self, block: KVCacheBlock, delta: int) -> None:
         page = block.block_id // self.blocks_per_page
@@ -368,16 +433,37 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
             self.pages_with_free[before].discard(page)
         if after:
             self.pages_with_free[after].add(page)
+            if after == self.blocks_per_page:
+                self.newly_idle.add(page)
 
     def popleft(self) -> KVCacheBlock:
         block = super().popleft()
         self._count(block, -1)
         return block
 
+    def _count_n(self, blocks: list[KVCacheBlock], delta: int) -> None:
+        # A request's blocks come and go a page at a time: move each page once.
+        k = self.blocks_per_page
+        per_page: dict[int, int] = {}
+        for block in blocks:
+            page = block.block_id // k
+            per_page[page] = per_page.get(page, 0) + delta
+        free_in_page = self.free_in_page
+        by_free = self.pages_with_free
+        for page, change in per_page.items():
+            before = free_in_page[page]
+            after = before + change
+            free_in_page[page] = after
+            if before:
+                by_free[before].discard(page)
+            if after:
+                by_free[after].add(page)
+                if after == k:
+                    self.newly_idle.add(page)
+
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         blocks = super().popleft_n(n)
-        for block in blocks:
-            self._count(block, -1)
+        self._count_n(blocks, -1)
         return blocks
 
     def remove(self, block: KVCacheBlock) -> None:
@@ -390,17 +476,11 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
         super().append_n(blocks)
-        for block in blocks:
-            self._count(block, 1)
+        self._count_n(blocks, 1)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         super().prepend_n(blocks)
-        for block in blocks:
-            self._count(block, 1)
-
-    @property
-    def idle_pages(self) -> set[int]:
-        return self.pages_with_free[self.blocks_per_page]
+        self._count_n(blocks, 1)
 
 
 class SlabPool(BlockPool):
@@ -452,13 +532,18 @@ class SlabPool(BlockPool):
         if pages:
             BlockPool.free_blocks(self.pages, pages)
 
-    def _give_back_uncached_idle_pages(self, page_ids: Iterable[int]) -> None:
-        idle = self.free_block_queue.idle_pages
+    def _give_back_uncached_idle_pages(self) -> None:
+        """Hand back the pages that came idle since the last look, unless they
+        hold prefix-cached blocks (those wait for reclaim)."""
+        queue = self.free_block_queue
+        if not queue.newly_idle:
+            return
+        candidates = queue.newly_idle & queue.idle_pages
+        queue.newly_idle.clear()
         self._give_back(
             page_id
-            for page_id in set(page_ids)
-            if page_id in idle
-            and all(b.block_hash is None for b in self._page_of(page_id))
+            for page_id in candidates
+            if all(b.block_hash is None for b in self._page_of(page_id))
         )
 
     def reclaim(self, num_pages: int) -> int:
@@ -480,18 +565,25 @@ class SlabPool(BlockPool):
     # -- BlockPool
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        short = num_blocks - self.free_block_queue.num_free_blocks
-        if short > 0:
-            self._take_pages(cdiv(short, self.blocks_per_page))
         queue = self.free_block_queue
+        k = self.blocks_per_page
+        short = num_blocks - queue.num_free_blocks
+        if short > 0:
+            self._take_pages(cdiv(short, k))
+        by_free = queue.pages_with_free
         picked: list[KVCacheBlock] = []
         while len(picked) < num_blocks:
             # The fullest page that has a free block: pages empty out whole.
-            page_id = next(iter(next(s for s in queue.pages_with_free[1:] if s)))
-            for block in self._page_of(page_id):
-                if block.prev_free_block is not None and len(picked) < num_blocks:
+            fewest = 1
+            while not by_free[fewest]:
+                fewest += 1
+            first = next(iter(by_free[fewest])) * k
+            for block in self.blocks[first : first + k]:
+                if block.prev_free_block is not None:
                     queue.remove(block)
                     picked.append(block)
+                    if len(picked) == num_blocks:
+                        break
         if self._reuse_watchers:
             self._notify_reuse(picked)
         for block in picked:
@@ -504,12 +596,8 @@ class SlabPool(BlockPool):
         return picked
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        blocks = list(ordered_blocks)
-        super().free_blocks(blocks)
-        k = self.blocks_per_page
-        self._give_back_uncached_idle_pages(
-            b.block_id // k for b in blocks if b.pool is self and not b.is_null
-        )
+        super().free_blocks(ordered_blocks)
+        self._give_back_uncached_idle_pages()
 
     def get_num_free_blocks(self) -> int:
         return (
@@ -531,18 +619,21 @@ class SlabPool(BlockPool):
             return 0  # a decode step inside its last block: the common case
         queue = self.free_block_queue
         k = self.blocks_per_page
-        per_page: dict[int, int] = {}
-        for block in touched:
-            per_page[block.block_id // k] = per_page.get(block.block_id // k, 0) + 1
         pages = 0
-        available = self.num_free_blocks_in_busy_pages
-        for page_id, count in per_page.items():
-            if queue.free_in_page[page_id] == k:
-                pages += 1  # an idle page, counted free by the page pool
-                available += k - count
-            else:
-                available -= count
-        return pages + cdiv(max(0, num_new_blocks - available), k)
+        available = queue.num_free_blocks - len(queue.idle_pages) * k
+        if touched:
+            per_page: dict[int, int] = {}
+            for block in touched:
+                page_id = block.block_id // k
+                per_page[page_id] = per_page.get(page_id, 0) + 1
+            for page_id, count in per_page.items():
+                if queue.free_in_page[page_id] == k:
+                    pages += 1  # an idle page, counted free by the page pool
+                    available += k - count
+                else:
+                    available -= count
+        short = num_new_blocks - available
+        return pages + (-(-short // k) if short > 0 else 0)
 
 
 def super_reset(pool: BlockPool) -> bool:
@@ -569,13 +660,14 @@ class PagePool(BlockPool):
 
     def attach_slab(self, blocks_per_page: int) -> SlabPool:
         self.slab = SlabPool(self, blocks_per_page)
+        self._slab_idle_pages = self.slab.free_block_queue.idle_pages
         return self.slab
 
     def get_num_free_blocks(self, with_slab: bool = True) -> int:
-        free = self.free_block_queue.num_free_blocks
+        # Read once per request per step by the scheduler: no property chain.
         if with_slab:
-            free += self.slab.num_idle_pages
-        return free
+            return self.free_block_queue.num_free_blocks + len(self._slab_idle_pages)
+        return self.free_block_queue.num_free_blocks
 
     def get_new_blocks(
         self, num_blocks: int, from_slab: bool = True
