@@ -308,8 +308,11 @@ def _reserve(coordinator: KVCacheCoordinator, running: Iterable[Request]) -> tup
     max_model_len = coordinator.max_model_len
     blocks = pages = 0
     for request in running:
-        num_tokens = request.num_tokens
-        headroom = request.max_tokens - request.num_output_tokens
+        # Request.num_tokens and num_output_tokens, read without their property
+        # calls: they were 40% of this loop.
+        num_tokens = len(request._all_token_ids)
+        num_output_tokens = len(request._output_token_ids)
+        headroom = request.max_tokens - num_output_tokens
         if headroom > DECODE_HEADROOM_TOKENS:
             headroom = DECODE_HEADROOM_TOKENS
         elif headroom < 0:
@@ -324,7 +327,7 @@ def _reserve(coordinator: KVCacheCoordinator, running: Iterable[Request]) -> tup
             if need > 0:
                 blocks += need
         if align_blocks:
-            pages += _boundary_pages(request, headroom, align_blocks)
+            pages += _boundary_pages(num_tokens, num_output_tokens, headroom, align_blocks)
     return blocks, pages
 
 
@@ -342,9 +345,10 @@ def _align_block_sizes(coordinator: KVCacheCoordinator) -> list[int]:
     ]
 
 
-def _boundary_pages(request: Request, headroom: int, align_blocks: list[int]) -> int:
-    num_tokens = request.num_tokens
-    first_decode = request.num_output_tokens == 0
+def _boundary_pages(
+    num_tokens: int, num_output_tokens: int, headroom: int, align_blocks: list[int]
+) -> int:
+    first_decode = num_output_tokens == 0
     return sum(
         first_decode or num_tokens // size != (num_tokens + headroom) // size
         for size in align_blocks
