@@ -61,7 +61,7 @@ RULES = (
     _rule("device-only", "needs torchvision, whose wheels pull a CUDA torch (the CPU test env "
           "removes it)", r"No module named 'torchvision"),
     _rule("device-only", "vLLM's CPU attention backend takes only block sizes that are a "
-          "multiple of 32 ({what})", r"(?P<what>No common block size for \d+ \(CPU_ATTN[^)]*\))"),
+          "multiple of 32 ({what})", r"(?P<what>No common block size for \d+ \(CPU_ATTN(?:: \[[^\]]*\])?\))"),
     _rule("device-only", "vLLM cannot import {what} in the CPU test env (its transformers image "
           "processors import torchvision, which the env removes)",
           r"Model architectures \[(?P<what>[^\]]+)\] failed to be inspected"),

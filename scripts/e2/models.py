@@ -49,6 +49,9 @@ IDS_FILE = HUB / "ids.yaml"
 MODELS = HUB / "models"
 TOKENIZER_SPEC = "tokenizer.yaml"          # in a model's folder: how to make its tokenizer
 TOKENIZER_MAKER = HUB / "make_tokenizer.py"
+WEIGHTS_SPEC = "weights.yaml"              # in a model's folder: seeded random weights to write
+WEIGHTS_MAKER = HUB / "make_weights.py"
+SPECS = (TOKENIZER_SPEC, WEIGHTS_SPEC)     # made into files, not copied
 STORE_FORMAT = 1
 DONE = "e2-store.json"                     # written last: marks a complete store
 KEEP_STORES = 4
@@ -168,6 +171,7 @@ def _inputs() -> dict[str, bytes]:
     files = {str(p.relative_to(MODELS)): p.read_bytes()
              for p in sorted(MODELS.rglob("*")) if p.is_file()}
     files["<maker>"] = TOKENIZER_MAKER.read_bytes()
+    files["<weights maker>"] = WEIGHTS_MAKER.read_bytes()
     return files
 
 
@@ -226,10 +230,13 @@ def _write_snapshot(store: Path, model_id: str, python: Path) -> None:
     with_files = store / ("models--" + model_id.replace("/", "--"))
     scratch = with_files / "scratch"
     files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())
-             if p.is_file() and p.name != TOKENIZER_SPEC}
+             if p.is_file() and p.name not in SPECS}
     if (folder / TOKENIZER_SPEC).is_file():
-        files.update(_make_tokenizer(folder / TOKENIZER_SPEC, scratch, python, model_id))
-        shutil.rmtree(scratch)
+        files.update(_make(TOKENIZER_MAKER, [folder / TOKENIZER_SPEC], scratch, python,
+                           f"the tokenizer of {model_id}"))
+    if (folder / WEIGHTS_SPEC).is_file():
+        files.update(_make(WEIGHTS_MAKER, [folder / WEIGHTS_SPEC, folder], scratch, python,
+                           f"the weights of {model_id}"))
     commit = snapshot_commit(files)
     for name, data in files.items():
         target = with_files / "snapshots" / commit / name
@@ -238,14 +245,18 @@ def _write_snapshot(store: Path, model_id: str, python: Path) -> None:
     write_atomic(with_files / "refs" / "main", commit)
 
 
-def _make_tokenizer(spec: Path, out: Path, python: Path, model_id: str) -> dict[str, bytes]:
+def _make(maker: Path, inputs: list[Path], out: Path, python: Path,
+          what: str) -> dict[str, bytes]:
+    """Run a hub/make_*.py maker under the test env's python; the files it wrote."""
+    shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    result = subprocess.run([str(python), "-P", str(TOKENIZER_MAKER), str(spec), str(out)],
+    result = subprocess.run([str(python), "-P", str(maker), *map(str, inputs), str(out)],
                             capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
-        raise E2Error(f"{spec}: making the tokenizer of {model_id} failed:\n"
-                      + result.stderr.strip()[-2000:])
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
+        raise E2Error(f"{inputs[0]}: making {what} failed:\n" + result.stderr.strip()[-2000:])
+    made = {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
+    shutil.rmtree(out)
+    return made
 
 
 def _prune(stores: Path, keep: Path) -> None:
