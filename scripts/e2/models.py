@@ -6,16 +6,18 @@ from the test machines, so each id gets a snapshot in the Hugging Face cache
 layout (``HF_HUB_CACHE``: ``models--org--name/refs/main`` naming
 ``snapshots/<commit>/``) holding what the tests read: ``config.json`` with
 the model's published dimensions, and the generation, processor and
-tokenizer files where a test needs them. No weights. vLLM's own loading code
-then runs unchanged with ``HF_HUB_OFFLINE=1``.
+tokenizer files where a test needs them, and seeded random weights at the
+published shapes where a test loads or runs the model (``weights.yaml``).
+vLLM's own loading code then runs unchanged with ``HF_HUB_OFFLINE=1``.
 
 * ``scan``: finds the ids in the suites' sources (every string literal shaped
   like a repo id, plus the model ``ModelConfig`` defaults to) and records each
   with the ``file:line`` it came from in ``hub/ids.yaml``. Strings that have
   the shape but name no model are kept there by hand, with the reason.
 * ``store``: writes the store from ``hub/models/<org>/<name>/``; tokenizers
-  are made by ``hub/make_tokenizer.py`` under the test env's python (it has
-  ``tokenizers`` and ``transformers``; the driver does not). The store is
+  are made by ``hub/make_tokenizer.py`` and weights by ``hub/make_weights.py``
+  under the test env's python (it has ``tokenizers``, ``transformers`` and
+  ``torch``; the driver does not). The store is
   keyed by the digest of its inputs, so both sides and later runs share it.
 """
 
@@ -290,7 +292,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "models", help="the offline model store (HF cache layout) upstream's suites load from",
         description="scan: find the hub ids upstream's default suites name and record them "
                     "in hub/ids.yaml; store: write the HF_HUB_CACHE of hub/models/ "
-                    "(configs, tokenizers, no weights) and print its path.")
+                    "(configs, tokenizers, seeded random weights where asked) and print its path.")
     verbs = parser.add_subparsers(dest="models_command", metavar="VERB", required=True)
     scan_verb = verbs.add_parser("scan", help="rewrite hub/ids.yaml from the pinned release")
     scan_verb.add_argument("--suite", action="append", metavar="PATH",

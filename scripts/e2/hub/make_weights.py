@@ -58,7 +58,8 @@ def write(spec_path: str, config_dir: str, out: str) -> None:
 
     spec = load_spec(spec_path)
     config = AutoConfig.from_pretrained(config_dir)
-    std = float(getattr(config, "initializer_range", None) or getattr(config, "init_std", 0.02))
+    std = float(getattr(config, "initializer_range", None) or getattr(config, "init_std", None)
+                or 0.02)
     dtype = getattr(torch, spec["dtype"])
     tensors = {}
     for name, shape in shapes(config_dir).items():
