@@ -10,6 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MESSAGE_CHARS = 600                     # of a failure message kept for the report
+# vLLM's engine start-up failures ("Engine core initialization failed. See root cause
+# above.") carry their cause only in the engine's and workers' log, which pytest captures:
+# the first exception line logged there (a log line's "(Worker pid=N) ERROR ... ]" prefix
+# dropped) is what the classifier needs to read.
+ROOT_CAUSE_HINT = re.compile(r"root cause")
+LOGGED_EXCEPTION = re.compile(r"^(?:\(\S+ pid=\d+\) ERROR [^\]]*\] )?((?:\w+\.)*\w*(?:Error|Exception)"
+                              r": \S.*)$", re.MULTILINE)
 
 
 @dataclass
@@ -41,15 +48,33 @@ def _test_id(case: ElementTree.Element) -> str:
     return f"{classname}::{name}".lstrip(":")
 
 
-def _message(element: ElementTree.Element) -> str:
+def root_cause(message: str, captured: str) -> str | None:
+    """The first exception the captured output logged, for a message that points there."""
+    if not ROOT_CAUSE_HINT.search(message):
+        return None
+    found = LOGGED_EXCEPTION.search(captured)
+    return f"root cause: {found.group(1).strip()}" if found else None
+
+
+def _message(element: ElementTree.Element, captured: str = "",
+             causes: dict[str, str] | None = None) -> str:
     """What the classifier reads: the message, then the traceback's ``E`` lines and its
-    last ``file.py:line:`` (a skip: its reason, from the text for a module-level skip)."""
+    last ``file.py:line:`` (a skip: its reason, from the text for a module-level skip);
+    where the message points at a root cause logged above, that cause comes second
+    (``causes``: message -> cause found for an earlier test of the run)."""
+    causes = {} if causes is None else causes
     text = (element.text or "").splitlines()
     lines = [element.get("message") or ""]
     if element.tag == "skipped":
         if lines[0] == "collection skipped":  # the text is (path, line, "Skipped: why")
             lines = [re.sub(r"^.*'Skipped: (.*)'\)$", r"\1", text[0])] if text else lines
     else:
+        cause = root_cause("\n".join([lines[0], *text]), captured)
+        if cause:
+            causes[lines[0]] = cause
+        else:  # a module-scoped fixture fails once: later tests get its error, not its log
+            cause = causes.get(lines[0]) if ROOT_CAUSE_HINT.search(lines[0]) else None
+        lines += [cause] if cause else []
         lines += [line[1:].strip() for line in text if line.startswith("E ")]
         places = [line for line in text if re.match(r"^\S+\.py:\d+: \w+", line)]
         lines += places[-1:]
@@ -63,13 +88,17 @@ def parse_junit(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
     outcomes: dict[str, str] = {}
     messages: dict[str, str] = {}
+    causes: dict[str, str] = {}
     for case in ElementTree.parse(path).iter("testcase"):
         test_id = _test_id(case)
         outcome, message = "passed", ""
+        # what pytest captured (the run asks for it with junit_logging)
+        captured = "\n".join(child.text or "" for child in case
+                             if child.tag in ("system-out", "system-err"))
         for child in case:
             kind = {"failure": "failed", "error": "error", "skipped": "skipped"}.get(child.tag)
             if kind and rank[kind] > rank[outcome]:
-                outcome, message = kind, _message(child)
+                outcome, message = kind, _message(child, captured, causes)
         if rank[outcome] >= rank.get(outcomes.get(test_id, "passed"), 0):
             outcomes[test_id] = outcome
             if message:

@@ -6,16 +6,18 @@ from the test machines, so each id gets a snapshot in the Hugging Face cache
 layout (``HF_HUB_CACHE``: ``models--org--name/refs/main`` naming
 ``snapshots/<commit>/``) holding what the tests read: ``config.json`` with
 the model's published dimensions, and the generation, processor and
-tokenizer files where a test needs them. No weights. vLLM's own loading code
-then runs unchanged with ``HF_HUB_OFFLINE=1``.
+tokenizer files where a test needs them, and seeded random weights at the
+published shapes where a test loads or runs the model (``weights.yaml``).
+vLLM's own loading code then runs unchanged with ``HF_HUB_OFFLINE=1``.
 
 * ``scan``: finds the ids in the suites' sources (every string literal shaped
   like a repo id, plus the model ``ModelConfig`` defaults to) and records each
   with the ``file:line`` it came from in ``hub/ids.yaml``. Strings that have
   the shape but name no model are kept there by hand, with the reason.
 * ``store``: writes the store from ``hub/models/<org>/<name>/``; tokenizers
-  are made by ``hub/make_tokenizer.py`` under the test env's python (it has
-  ``tokenizers`` and ``transformers``; the driver does not). The store is
+  are made by ``hub/make_tokenizer.py`` and weights by ``hub/make_weights.py``
+  under the test env's python (it has ``tokenizers``, ``transformers`` and
+  ``torch``; the driver does not). The store is
   keyed by the digest of its inputs, so both sides and later runs share it.
 """
 
@@ -49,6 +51,9 @@ IDS_FILE = HUB / "ids.yaml"
 MODELS = HUB / "models"
 TOKENIZER_SPEC = "tokenizer.yaml"          # in a model's folder: how to make its tokenizer
 TOKENIZER_MAKER = HUB / "make_tokenizer.py"
+WEIGHTS_SPEC = "weights.yaml"              # in a model's folder: seeded random weights to write
+WEIGHTS_MAKER = HUB / "make_weights.py"
+SPECS = (TOKENIZER_SPEC, WEIGHTS_SPEC)     # made into files, not copied
 STORE_FORMAT = 1
 DONE = "e2-store.json"                     # written last: marks a complete store
 KEEP_STORES = 4
@@ -168,6 +173,7 @@ def _inputs() -> dict[str, bytes]:
     files = {str(p.relative_to(MODELS)): p.read_bytes()
              for p in sorted(MODELS.rglob("*")) if p.is_file()}
     files["<maker>"] = TOKENIZER_MAKER.read_bytes()
+    files["<weights maker>"] = WEIGHTS_MAKER.read_bytes()
     return files
 
 
@@ -226,10 +232,13 @@ def _write_snapshot(store: Path, model_id: str, python: Path) -> None:
     with_files = store / ("models--" + model_id.replace("/", "--"))
     scratch = with_files / "scratch"
     files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())
-             if p.is_file() and p.name != TOKENIZER_SPEC}
+             if p.is_file() and p.name not in SPECS}
     if (folder / TOKENIZER_SPEC).is_file():
-        files.update(_make_tokenizer(folder / TOKENIZER_SPEC, scratch, python, model_id))
-        shutil.rmtree(scratch)
+        files.update(_make(TOKENIZER_MAKER, [folder / TOKENIZER_SPEC], scratch, python,
+                           f"the tokenizer of {model_id}"))
+    if (folder / WEIGHTS_SPEC).is_file():
+        files.update(_make(WEIGHTS_MAKER, [folder / WEIGHTS_SPEC, folder], scratch, python,
+                           f"the weights of {model_id}"))
     commit = snapshot_commit(files)
     for name, data in files.items():
         target = with_files / "snapshots" / commit / name
@@ -238,14 +247,18 @@ def _write_snapshot(store: Path, model_id: str, python: Path) -> None:
     write_atomic(with_files / "refs" / "main", commit)
 
 
-def _make_tokenizer(spec: Path, out: Path, python: Path, model_id: str) -> dict[str, bytes]:
+def _make(maker: Path, inputs: list[Path], out: Path, python: Path,
+          what: str) -> dict[str, bytes]:
+    """Run a hub/make_*.py maker under the test env's python; the files it wrote."""
+    shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    result = subprocess.run([str(python), "-P", str(TOKENIZER_MAKER), str(spec), str(out)],
+    result = subprocess.run([str(python), "-P", str(maker), *map(str, inputs), str(out)],
                             capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
-        raise E2Error(f"{spec}: making the tokenizer of {model_id} failed:\n"
-                      + result.stderr.strip()[-2000:])
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
+        raise E2Error(f"{inputs[0]}: making {what} failed:\n" + result.stderr.strip()[-2000:])
+    made = {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
+    shutil.rmtree(out)
+    return made
 
 
 def _prune(stores: Path, keep: Path) -> None:
@@ -279,7 +292,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "models", help="the offline model store (HF cache layout) upstream's suites load from",
         description="scan: find the hub ids upstream's default suites name and record them "
                     "in hub/ids.yaml; store: write the HF_HUB_CACHE of hub/models/ "
-                    "(configs, tokenizers, no weights) and print its path.")
+                    "(configs, tokenizers, seeded random weights where asked) and print its path.")
     verbs = parser.add_subparsers(dest="models_command", metavar="VERB", required=True)
     scan_verb = verbs.add_parser("scan", help="rewrite hub/ids.yaml from the pinned release")
     scan_verb.add_argument("--suite", action="append", metavar="PATH",

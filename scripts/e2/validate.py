@@ -78,6 +78,8 @@ PYTEST_FAILED = (1, 2)
 # The CPU harness: a pytest plugin both sides load (harness/e2_cpu_harness.py).
 HARNESS = Path(__file__).resolve().parent / "harness"
 HARNESS_PLUGIN = "e2_cpu_harness"
+# VLLM_CPU_KVCACHE_SPACE for both sides: upstream's CPU smoke tests use 1 ("avoid OOM")
+KV_CACHE_SPACE_GIB = "1"
 # One pytest run: (side, targets, label, switches to set on top of the side's env).
 Job = tuple[str, list[str], str, dict[str, str] | None]
 
@@ -102,6 +104,11 @@ class Sides:
         paths = [str(self.view.path)] if side == "e2" else []
         env["PYTHONPATH"] = os.pathsep.join([*paths, str(HARNESS)])  # the view stays first
         env["HF_HUB_CACHE"] = str(self.hub_cache)
+        # vllm-cpu reserves gpu_memory_utilization (0.92 unless a test says) of the
+        # machine's RAM for an engine and refuses to start when that much is not free,
+        # which on a shared machine running both sides it never is; a fixed KV cache
+        # space in GiB, as upstream's CPU CI sets, starts it. Other platforms ignore it.
+        env["VLLM_CPU_KVCACHE_SPACE"] = KV_CACHE_SPACE_GIB
         # -P for every python the tests start too (vLLM inspects models in a subprocess):
         # the patched checkout's vllm/ in the cwd must never shadow the side's package
         env["PYTHONSAFEPATH"] = "1"
@@ -130,6 +137,10 @@ class Sides:
         command = [str(self.env.python), "-P", "-m", "pytest", "--import-mode=importlib",
                    "-p", "no:cacheprovider", "-p", HARNESS_PLUGIN, "-q",
                    "-o", "junit_family=xunit1", f"--junitxml={junit}",
+                   # each test's captured output, where a root cause logged by vLLM's
+                   # engine processes is (junit.root_cause). Not junit_log_passing_tests
+                   # =false: pytest then drops the output of a failed setup too
+                   "-o", "junit_logging=out-err",
                    f"--timeout={self.timeout}", *targets]
         started, wall = time.monotonic(), time.time()
         with log.open("w") as handle:

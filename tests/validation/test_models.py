@@ -8,6 +8,7 @@ import sys
 
 import git
 import pytest
+import yaml
 
 from e2 import models
 from e2.cache import Cache
@@ -113,6 +114,15 @@ for model_id in json.loads(sys.argv[1]):
         tokenizer = get_tokenizer(model_id)
         ids = tokenizer.encode("Hello, wörld", add_special_tokens=False)
         entry["roundtrip"] = tokenizer.decode(ids)
+    if model_id in json.loads(sys.argv[3]):
+        from huggingface_hub import snapshot_download  # offline: resolved in the store
+        from safetensors import safe_open
+
+        with safe_open(snapshot_download(model_id) + "/model.safetensors", "pt") as weights:
+            names = list(weights.keys())
+            embed = weights.get_slice(next(n for n in names if n.endswith("embed_tokens.weight")))
+            entry["weights"] = {"tensors": len(names), "embed": list(embed.get_shape()),
+                                "dtype": embed.get_dtype()}
     out[model_id] = entry
 print(json.dumps(out))
 '''
@@ -130,10 +140,11 @@ def test_vllm_loads_every_stored_model_offline(cpu_env, tmp_path):
     assert models.build_store(Cache(tmp_path), cpu_env.python) == store  # reused, not rebuilt
     ids = sorted(models.IdsFile.load().models)
     with_tokenizer = [i for i in ids if (models.model_dir(i) / models.TOKENIZER_SPEC).is_file()]
+    with_weights = [i for i in ids if (models.model_dir(i) / models.WEIGHTS_SPEC).is_file()]
     env = {**cpu_env.run_env(None), "HF_HUB_CACHE": str(store)}
     result = subprocess.run([str(cpu_env.python), "-P", "-c", LOAD_EVERY_MODEL, json.dumps(ids),
-                             json.dumps(with_tokenizer)], capture_output=True, text=True,
-                            env=env, timeout=900)
+                             json.dumps(with_tokenizer), json.dumps(with_weights)],
+                            capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert sorted(loaded) == ids
@@ -148,7 +159,18 @@ def test_vllm_loads_every_stored_model_offline(cpu_env, tmp_path):
         assert entry["hidden_size"] == text["hidden_size"], model_id
         if model_id in with_tokenizer:
             assert entry["roundtrip"] == "Hello, wörld", model_id
+        if model_id in with_weights:  # the published embedding shape, in the spec's dtype
+            dtype = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[yaml.safe_load(
+                (models.model_dir(model_id) / models.WEIGHTS_SPEC).read_text())["dtype"]]
+            width = text.get("word_embed_proj_dim", text["hidden_size"])
+            assert entry["weights"]["embed"] == [text["vocab_size"], width], model_id
+            assert entry["weights"]["dtype"] == dtype and entry["weights"]["tensors"] > 4
     snapshot = store / "models--facebook--opt-125m"
     commit = (snapshot / "refs" / "main").read_text()
     assert (snapshot / "snapshots" / commit / "config.json").is_file()
-    assert not list(store.rglob("*.safetensors")) and not list(store.rglob("*.bin"))
+    # weights only where a model's folder asks for them
+    assert sorted(p.parent.parent.parent.name for p in store.rglob("*.safetensors")) == sorted(
+        "models--" + i.replace("/", "--") for i in with_weights)
+    assert set(with_weights) == {"facebook/opt-125m", "hmellor/tiny-random-LlamaForCausalLM",
+                                 "Qwen/Qwen3-0.6B"}
+    assert not list(store.rglob("*.bin"))

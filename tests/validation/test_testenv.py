@@ -73,3 +73,26 @@ def test_stale_overlay_refused(real_project, cpu_env):
     series.write_text(series.read_text().replace("Log the E2 series", "Log the series"))
     _, _, err = real_project("env", "--overlay", expect=1)
     assert "overlay/ is out of sync: overlay/ was made from series" in err
+
+
+def test_optimized_bytecode_compiled_once(tmp_path):
+    """-O bytecode beside every module, made once (the stamp), a broken file no failure."""
+    import sys
+
+    root = tmp_path / "site"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "mod.py").write_text("X = 1\n")
+    (root / "pkg" / "py2.py").write_text("print 'never imported'\n")
+    env = testenv.TestEnv(tmp_path / "venv", "cpu", "0.31.0")
+    env.root.mkdir()
+    (env.root / "bin").mkdir()
+    (env.root / "bin" / "python").symlink_to(sys.executable)
+    stamp = tmp_path / testenv.OPTIMIZED_STAMP
+    testenv.ensure_optimized_bytecode(env, root, stamp)
+    tag = sys.implementation.cache_tag
+    compiled = root / "pkg" / "__pycache__" / f"mod.{tag}.opt-1.pyc"
+    assert compiled.is_file() and stamp.is_file()
+    assert "exited 1" in stamp.read_text()  # py2.py does not compile
+    compiled.unlink()
+    testenv.ensure_optimized_bytecode(env, root, stamp)
+    assert not compiled.exists()  # the stamp says it was done

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from e2.classify import classify, counts
+from e2 import testenv
+from e2.classify import classify, counts, explain
 from e2.junit import parse_junit
+from e2.validate import KV_CACHE_SPACE_GIB, Sides
 from validation_helpers import add_patch, cpu_env, real_project, results  # noqa: F401
 
 ENVS = "vllm/envs.py"
@@ -172,7 +176,7 @@ def test_classify_gives_every_non_pass_a_class():
     assert (verdicts["j"].kind, verdicts["j"].reason) == ("unexplained", "AssertionError: 3 == 4")
     assert counts(list(verdicts.values())) == {
         "regression": 3, "flaky": 1, "new-pass": 2, "device-only": 2, "hub-data": 1,
-        "unexplained": 1}
+        "upstream-failure": 0, "unexplained": 1}
 
 
 def test_parse_junit_node_ids_and_worst_outcome(tmp_path):
@@ -198,3 +202,66 @@ def test_parse_junit_node_ids_and_worst_outcome(tmp_path):
                         "tests/t.py::teardown": 'failed on teardown with "RuntimeError: x"',
                         "tests.broken": "collection"}
     assert parse_junit(tmp_path / "missing.xml") == ({}, {})
+
+
+# What pytest wrote for test_scheduler_e2e.py on the CPU: the engine's start-up failure,
+# its cause only in the workers' log; the module-scoped fixture's second test has no log.
+ENGINE_FAILED = ('failed on setup with &quot;RuntimeError: Engine core initialization failed. '
+                 'See root cause above. Failed core proc(s): {}&quot;')
+WORKER_LOG = ("(EngineCore pid=7) INFO 12-02 12:55:33 [core.py:1] starting\n"
+              "(Worker pid=8) ERROR 12-02 12:55:33 [multiproc_executor.py:948]     raise "
+              "ValueError(\n"
+              "(Worker pid=8) ERROR 12-02 12:55:33 [multiproc_executor.py:948] ValueError: No "
+              "common block size for 16 (CPU_ATTN: [MultipleOf(32)]).\n"
+              "(EngineCore pid=7) ERROR 12-02 12:55:34 [core.py:1433] RuntimeError: Worker "
+              "failed with error 'No common block size'\n")
+
+
+def test_parse_junit_reads_a_logged_root_cause(tmp_path):
+    xml = tmp_path / "r.xml"
+    xml.write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.e" name="first" file="tests/e.py">'
+        f'<error message="{ENGINE_FAILED}">E   RuntimeError: Engine core</error>'
+        f'<system-out>{WORKER_LOG}</system-out></testcase>'
+        '<testcase classname="tests.e" name="second" file="tests/e.py">'
+        f'<error message="{ENGINE_FAILED}">E   RuntimeError: Engine core</error></testcase>'
+        '<testcase classname="tests.e" name="plain" file="tests/e.py">'
+        '<failure message="AssertionError: 1 == 2">E   assert 1 == 2</failure>'
+        f'<system-err>{WORKER_LOG}</system-err></testcase>'
+        '</testsuite></testsuites>')
+    outcomes, messages = parse_junit(xml)
+    cause = "root cause: ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)])."
+    for test in ("tests/e.py::first", "tests/e.py::second"):
+        assert messages[test].splitlines()[1] == cause, test
+        assert explain(messages[test], outcomes[test]) == (
+            "device-only", "vLLM's CPU attention backend takes only block sizes that are a "
+            "multiple of 32 (No common block size for 16 (CPU_ATTN: [MultipleOf(32)]))")
+    # a message that points nowhere keeps to itself, whatever was logged
+    assert messages["tests/e.py::plain"] == "AssertionError: 1 == 2\nassert 1 == 2"
+
+
+MAMBA_WIDTHS = ("assert [4, 0, 4, 0, 8] == [4, 0, 4, 0, 12]\n  \n  At index 4 diff: 8 != 12\n"
+                "assert [4, 0, 4, 0, 8] == [4, 0, 4, 0, 12]\n"
+                "tests/v1/worker/test_mamba_utils.py:554: AssertionError")
+
+
+def test_upstream_failure_is_named_only_for_its_cause():
+    kind, reason = explain(MAMBA_WIDTHS)
+    assert kind == "upstream-failure" and "VLLM_SSM_CONV_STATE_LAYOUT=DS" in reason
+    # the same widths the other way round, or from another file, are not that cause
+    assert explain(MAMBA_WIDTHS.replace("8] == [4, 0, 4, 0, 12", "12] == [4, 0, 4, 0, 8"))[0] \
+        == "unexplained"
+    assert explain(MAMBA_WIDTHS.replace("test_mamba_utils", "test_other"))[0] == "unexplained"
+    verdicts = classify({"t": "failed"}, {"t": "failed"}, {"t": MAMBA_WIDTHS}, {}, {})
+    assert counts(verdicts)["upstream-failure"] == 1
+
+
+def test_both_sides_get_a_fixed_cpu_kv_cache_space(tmp_path):
+    sides = Sides(testenv.TestEnv(tmp_path / "venv", "cpu", "0.31.0"),
+                  testenv.View(tmp_path / "view", "d", 0, 0),
+                  tmp_path, tmp_path / "hub", tmp_path / "logs", 60)
+    stock, e2 = sides.environment("stock", None), sides.environment("e2", None)
+    assert stock["VLLM_CPU_KVCACHE_SPACE"] == e2["VLLM_CPU_KVCACHE_SPACE"] == KV_CACHE_SPACE_GIB
+    assert int(KV_CACHE_SPACE_GIB) >= 1  # 0 GiB would leave an engine no KV cache
+    assert Path(stock["HF_HUB_CACHE"]) == tmp_path / "hub"
