@@ -19,7 +19,7 @@ from e2.fsio import write_atomic
 from e2.series import Series, series_digest
 
 if TYPE_CHECKING:
-    from e2.rebase import Rebase, RebaseState
+    from e2.rebase_state import Rebase, RebaseState
     from e2.verify import Check
 
 STATUSES = ("clean", "offset", "merged", "resolved", "obsolete", "dropped")

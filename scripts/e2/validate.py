@@ -19,7 +19,6 @@ and series digest they were made from.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -28,7 +27,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.table import Table
 
@@ -39,11 +37,9 @@ from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.junit import PytestRun, parse_junit
 from e2.models import prepare_store
+from e2.options import GlobalOptions, SeamOptions, UpstreamSuitesOptions
 from e2.series import Patch, Project, Series, series_digest
-from e2.testenv import TARGETS, TestEnv, View, prepare
-
-if TYPE_CHECKING:
-    from e2.cli import GlobalOptions
+from e2.testenv import TestEnv, View, prepare
 
 # Upstream's suites over what the series changes: all of tests/v1/core and
 # tests/v1/worker, test_envs.py (envs.py carries the switch registry) and the
@@ -145,13 +141,13 @@ class Sides:
         return result
 
 
-def prepare_sides(options: GlobalOptions, args: argparse.Namespace, series: Series,
+def prepare_sides(options: GlobalOptions, target: str, timeout: int, series: Series,
                   tree: Path, kind: str) -> Sides:
     project = options.project
-    env, view = prepare(project, series, options.cache, args.target, overlay=True)
+    env, view = prepare(project, series, options.cache, target, overlay=True)
     assert view is not None
     hub_cache = prepare_store(series, options.cache, env.python)
-    return Sides(env, view, tree, hub_cache, project.state_dir / "logs" / kind, args.timeout)
+    return Sides(env, view, tree, hub_cache, project.state_dir / "logs" / kind, timeout)
 
 
 # ---------------------------------------------------------------- seam
@@ -212,7 +208,7 @@ def seam_markdown(header: dict, patches: list[SeamPatch]) -> str:
     return reports.render("seam.md.j2", header=header, patches=patches)
 
 
-def run_seam(options: GlobalOptions, args: argparse.Namespace) -> int:
+def run_seam(options: GlobalOptions, args: SeamOptions) -> int:
     project = options.project
     series = project.load()
     patches = [series.by_id(i) for i in args.patch] if args.patch else list(series.patches)
@@ -221,7 +217,7 @@ def run_seam(options: GlobalOptions, args: argparse.Namespace) -> int:
     started = time.monotonic()
     with ScratchTree(project, series, options.upstream, sparse=False,
                      prefix="validate-") as applied:
-        sides = prepare_sides(options, args, series, applied.path, "seam")
+        sides = prepare_sides(options, args.target, args.timeout, series, applied.path, "seam")
         # every run is its own pytest process over the same tree, so they can overlap
         runs = sides.run_many([job for patch in patches for job in seam_jobs(patch)],
                               "seam tests", workers=args.jobs)
@@ -293,20 +289,20 @@ def upstream_markdown(header: dict, suites: list[str], runs: dict[str, PytestRun
                           files=files, classes=verdict_groups(verdicts))
 
 
-def e2_variants(series: Series, args: argparse.Namespace) -> dict[str, dict[str, str]]:
+def e2_variants(series: Series, also_switches_off: bool) -> dict[str, dict[str, str]]:
     """Report name -> the E2 side's switches: as shipped (their defaults) and, with
     --also-switches-off, every switch at "0" (upstream behaviour) against the same stock."""
     variants: dict[str, dict[str, str]] = {"upstream": {}}
-    if args.also_switches_off:
+    if also_switches_off:
         variants["upstream-switches-off"] = {p.switch.name: "0" for p in series.patches}
     return variants
 
 
-def run_upstream(options: GlobalOptions, args: argparse.Namespace) -> int:
+def run_upstream(options: GlobalOptions, args: UpstreamSuitesOptions) -> int:
     project = options.project
     series = project.load()
-    suites = args.suite or list(CI_SUITES if args.ci else DEFAULT_SUITES)
-    variants = e2_variants(series, args)
+    suites = list(args.suite or (CI_SUITES if args.ci else DEFAULT_SUITES))
+    variants = e2_variants(series, args.also_switches_off)
     started = time.monotonic()
     with ScratchTree(project, series, options.upstream, sparse=False,
                      prefix="validate-") as applied:
@@ -314,7 +310,7 @@ def run_upstream(options: GlobalOptions, args: argparse.Namespace) -> int:
         missing = [s for s in suites if not (tree / s.split("::", 1)[0]).exists()]
         if missing:
             raise E2Error("no such suite in the patched tree: " + ", ".join(missing))
-        sides = prepare_sides(options, args, series, tree, "upstream")
+        sides = prepare_sides(options, args.target, args.timeout, series, tree, "upstream")
         jobs: list[Job] = [("stock", suites, "upstream stock", None)]
         jobs += [("e2", suites, name.replace("upstream", "upstream e2"), switches)
                  for name, switches in variants.items()]
@@ -334,12 +330,12 @@ def run_upstream(options: GlobalOptions, args: argparse.Namespace) -> int:
     regressions = 0
     for (name, switches), e2 in zip(variants.items(), e2_runs):
         runs = {"stock": stock, "e2": e2, **({"stock again": stock_again} if stock_again else {})}
-        regressions += report_upstream(args, project, name, header, suites, runs, switches,
+        regressions += report_upstream(args.report, project, name, header, suites, runs, switches,
                                        str(sides.hub_cache))
     return 1 if regressions else 0
 
 
-def report_upstream(args: argparse.Namespace, project: Project, name: str, header: dict,
+def report_upstream(report: Path | None, project: Project, name: str, header: dict,
                     suites: list[str], runs: dict[str, PytestRun], switches: dict[str, str],
                     hub_cache: str) -> int:
     """Classify E2's run against stock's, print and write it as ``name``; the regressions."""
@@ -364,7 +360,7 @@ def report_upstream(args: argparse.Namespace, project: Project, name: str, heade
                                   "e2": v.e2} for v in verdicts},
             "regressions": {v.test: {"stock": v.stock, "e2": v.e2} for v in verdicts
                             if v.kind == "regression"}}
-    _write_results(args.report or project.state_dir / "results", name, data,
+    _write_results(report or project.state_dir / "results", name, data,
                    upstream_markdown(header, suites, runs, verdicts, switches))
     return tally["regression"]
 
@@ -386,50 +382,3 @@ def _write_results(directory: Path, name: str, data: dict, markdown: str) -> Non
     write_atomic(directory / f"{name}.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
     write_atomic(directory / f"{name}.md", markdown)
     console.info(f"results: {directory / name}.json, {directory / name}.md")
-
-
-# ---------------------------------------------------------------- command
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
-    return int(text)
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "test", help="run the series' seam tests or upstream's suites, stock vs E2, on CPU",
-        description="Run tests in the venv of e2 env (made or reused as needed), from the "
-                    "series applied exactly into a scratch checkout.")
-    verbs = parser.add_subparsers(dest="test_command", metavar="KIND", required=True)
-    seam = verbs.add_parser(
-        "seam", help="each patch's tests: pass on E2, pass with its switch flipped, fail on stock")
-    seam.add_argument("--patch", action="append", metavar="ID",
-                      help="only this patch (repeatable; default: all)")
-    seam.add_argument("--jobs", type=_positive, default=os.cpu_count() or 1, metavar="N",
-                      help="pytest runs at once (default: the number of CPUs)")
-    seam.set_defaults(run=run_seam, timeout=SEAM_TIMEOUT)
-    suites = verbs.add_parser(
-        "upstream", help="upstream's own suites on stock and on E2; exit 1 on any regression")
-    suites.add_argument("--suite", action="append", metavar="PATH",
-                        help="test path or node id in the patched tree (repeatable; default: "
-                             + ", ".join(DEFAULT_SUITES) + ")")
-    suites.add_argument("--ci", action="store_true",
-                        help="only the suites CI runs: " + ", ".join(CI_SUITES))
-    suites.add_argument("--parallel", action="store_true",
-                        help="run the stock and E2 sides at once (for suites that share no "
-                             "ports or files between processes; CI's do)")
-    suites.add_argument("--also-switches-off", action="store_true",
-                        help="run E2 a second time with every switch of the series at 0 "
-                             "(upstream behaviour), against the same stock run; written as "
-                             "upstream-switches-off.json and .md")
-    suites.set_defaults(run=run_upstream, timeout=UPSTREAM_TIMEOUT)
-    for verb in (seam, suites):
-        verb.add_argument("--target", choices=tuple(TARGETS), default="cpu",
-                          help="which env of e2 env to test in (default: cpu)")
-        verb.add_argument("--report", type=Path, metavar="DIR",
-                          help="write the JSON and Markdown results here "
-                               "(default .e2/results)")
-        verb.add_argument("--timeout", type=int, metavar="SECONDS",
-                          help="per-test timeout (pytest-timeout)")

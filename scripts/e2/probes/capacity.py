@@ -11,7 +11,6 @@ result, capacity_matrix.py runs the whole scenario matrix.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import subprocess
@@ -187,14 +186,14 @@ def boot_all(runtime: Runtime, models: list[Path], settings: Settings,
             console.info(f"{model.name} {side}: {boot['kv_line']} ({boot['seconds']} s)")
 
 
-def boot_images(project: Project, args: argparse.Namespace) -> dict:
+def boot_images(project: Project, gpus: str | None, stock_image: str | None,
+                e2_image: str | None) -> dict:
     """Stock and E2 engine images on DOCKER_HOST for --boot --docker (the GPU host)."""
     from e2.image import connect, engine_images
 
     client = connect()  # an unreachable DOCKER_HOST fails here, before any boot
-    return {"client": client, "gpus": args.gpus,
-            "images": engine_images(project, project.load(), args.stock_image,
-                                    args.e2_image)}
+    return {"client": client, "gpus": gpus,
+            "images": engine_images(project, project.load(), stock_image, e2_image)}
 
 
 # ---------------------------------------------------------------- stock vs E2

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -17,12 +16,13 @@ from rich.table import Table
 
 from e2 import console, reports
 from e2.fsio import write_atomic
+from e2.options import CapacityOptions
 from e2.probes.capacity import differences, leaks
 from e2.probes.runtime import Runtime
 from e2.series import Project, series_digest
 
 
-def probe_record(project: Project, args: argparse.Namespace, runtime: Runtime,
+def probe_record(project: Project, args: CapacityOptions, runtime: Runtime,
                  per_model: dict[str, dict]) -> dict:
     """Both sides' results per model with what produced them and how E2 differs."""
     series = project.load()
@@ -52,9 +52,9 @@ def probe_record(project: Project, args: argparse.Namespace, runtime: Runtime,
     }
 
 
-def write_record(project: Project, args: argparse.Namespace, record: dict) -> None:
+def write_record(project: Project, results: Path | None, record: dict) -> None:
     """docs/validation/capacity-<time>.json and .md (or under --results)."""
-    results = args.results or project.root / "docs" / "validation"
+    results = results or project.root / "docs" / "validation"
     stamp = record["created"].replace(":", "").replace("-", "")[:15]
     base = results / f"capacity-{stamp}"
     record["record_md"] = str(base.with_suffix(".md").relative_to(project.root)
