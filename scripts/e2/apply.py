@@ -13,6 +13,7 @@ import git
 
 from e2 import console
 from e2.errors import E2Error
+from e2.export import format_patches
 from e2.faults import checkpoint
 from e2.fsio import read_tree
 from e2.gitops import (
@@ -217,8 +218,6 @@ def _touched_paths(project: Project, patches: list[Patch]) -> list[str]:
 
 def _check_replaceable(project: Project, dest: Path) -> None:
     """--force replaces a worktree only when nothing in it would be lost."""
-    from e2.export import format_patches  # export builds on apply's modules
-
     repo = open_worktree(dest)
     require_clean(repo, "--force would delete them")
     # byte-compiled files come back by themselves; anything else ignored is the user's

@@ -41,7 +41,9 @@ import time
 from pathlib import Path
 
 from e2.cache import Cache
+from e2.dockerhost import connect
 from e2.errors import E2Error
+from e2.image import engine_images
 from e2.options import GlobalOptions, ServeOptions
 from e2.probes.engines import DockerRunner, LocalRunner, Runner
 from e2.probes.serve_cases import run_side
@@ -49,6 +51,7 @@ from e2.probes.serve_model import ensure_model
 from e2.probes.serve_report import conclude, header
 from e2.probes.serve_settings import FORMAT, MODES, SIDES, TP_SIZES
 from e2.series import Project, Series
+from e2.testenv import prepare
 
 
 def run_serve(options: GlobalOptions, args: ServeOptions) -> int:
@@ -79,8 +82,6 @@ def run_serve(options: GlobalOptions, args: ServeOptions) -> int:
 
 def _local_runner(args: ServeOptions, cache: Cache, project: Project, series: Series,
                   logs: Path) -> tuple[LocalRunner, str, str]:
-    from e2.testenv import prepare
-
     if args.tp != 1:
         raise E2Error("--tp above 1 needs --docker (the local CPU engine runs one worker)")
     env, view = prepare(project, series, cache, "cpu", overlay=True)
@@ -93,9 +94,6 @@ def _local_runner(args: ServeOptions, cache: Cache, project: Project, series: Se
 
 def _docker_runner(args: ServeOptions, project: Project, series: Series,
                    logs: Path) -> tuple[DockerRunner, str, str]:
-    from e2.dockerhost import connect
-    from e2.image import engine_images
-
     client = connect()  # first: an unreachable DOCKER_HOST fails before anything else
     images = engine_images(project, series, args.stock_image, args.e2_image)
     runner = DockerRunner(client, images, args.gpus, args.tp, logs, kv_bytes=args.kv_cache_bytes)
