@@ -208,19 +208,19 @@ def seam_markdown(header: dict, patches: list[SeamPatch]) -> str:
     return reports.render("seam.md.j2", header=header, patches=patches)
 
 
-def run_seam(options: GlobalOptions, args: SeamOptions) -> int:
+def run_seam(options: GlobalOptions, request: SeamOptions) -> int:
     project = options.project
     series = project.load()
-    patches = [series.by_id(i) for i in args.patch] if args.patch else list(series.patches)
+    patches = [series.by_id(i) for i in request.patch] if request.patch else list(series.patches)
     if not patches:
         raise E2Error("series.yaml has no patches to test")
     started = time.monotonic()
     with ScratchTree(project, series, options.upstream, sparse=False,
                      prefix="validate-") as applied:
-        sides = prepare_sides(options, args.target, args.timeout, series, applied.path, "seam")
+        sides = prepare_sides(options, request.target, request.timeout, series, applied.path, "seam")
         # every run is its own pytest process over the same tree, so they can overlap
         runs = sides.run_many([job for patch in patches for job in seam_jobs(patch)],
-                              "seam tests", workers=args.jobs)
+                              "seam tests", workers=request.jobs)
         results = [seam_patch(patch, runs[3 * i:3 * i + 3]) for i, patch in enumerate(patches)]
     header = _header(project, series, sides.env, time.monotonic() - started)
     table = Table("patch", "switch", "E2", "control", "stock", "verdict", title="seam tests")
@@ -239,7 +239,7 @@ def run_seam(options: GlobalOptions, args: SeamOptions) -> int:
         "verdict": "passed" if p.ok else "failed",
         "checks": [{"kind": c.kind, "expect": c.expect, "ok": c.ok, **asdict(c.run)}
                    for c in p.checks]} for p in results]}
-    _write_results(args.report or project.state_dir / "results", "seam", data,
+    _write_results(request.report or project.state_dir / "results", "seam", data,
                    seam_markdown(header, results))
     return 0 if all(p.ok for p in results) else 1
 
@@ -298,11 +298,11 @@ def e2_variants(series: Series, also_switches_off: bool) -> dict[str, dict[str, 
     return variants
 
 
-def run_upstream(options: GlobalOptions, args: UpstreamSuitesOptions) -> int:
+def run_upstream(options: GlobalOptions, request: UpstreamSuitesOptions) -> int:
     project = options.project
     series = project.load()
-    suites = list(args.suite or (CI_SUITES if args.ci else DEFAULT_SUITES))
-    variants = e2_variants(series, args.also_switches_off)
+    suites = list(request.suite or (CI_SUITES if request.ci else DEFAULT_SUITES))
+    variants = e2_variants(series, request.also_switches_off)
     started = time.monotonic()
     with ScratchTree(project, series, options.upstream, sparse=False,
                      prefix="validate-") as applied:
@@ -310,11 +310,11 @@ def run_upstream(options: GlobalOptions, args: UpstreamSuitesOptions) -> int:
         missing = [s for s in suites if not (tree / s.split("::", 1)[0]).exists()]
         if missing:
             raise E2Error("no such suite in the patched tree: " + ", ".join(missing))
-        sides = prepare_sides(options, args.target, args.timeout, series, tree, "upstream")
+        sides = prepare_sides(options, request.target, request.timeout, series, tree, "upstream")
         jobs: list[Job] = [("stock", suites, "upstream stock", None)]
         jobs += [("e2", suites, name.replace("upstream", "upstream e2"), switches)
                  for name, switches in variants.items()]
-        stock, *e2_runs = (sides.run_many(jobs, "upstream stock and e2") if args.parallel
+        stock, *e2_runs = (sides.run_many(jobs, "upstream stock and e2") if request.parallel
                            else [sides.run(*job) for job in jobs])
         if not stock.outcomes:
             raise E2Error(f"the stock run reported no tests (exit {stock.returncode})",
@@ -330,7 +330,7 @@ def run_upstream(options: GlobalOptions, args: UpstreamSuitesOptions) -> int:
     regressions = 0
     for (name, switches), e2 in zip(variants.items(), e2_runs):
         runs = {"stock": stock, "e2": e2, **({"stock again": stock_again} if stock_again else {})}
-        regressions += report_upstream(args.report, project, name, header, suites, runs, switches,
+        regressions += report_upstream(request.report, project, name, header, suites, runs, switches,
                                        str(sides.hub_cache))
     return 1 if regressions else 0
 

@@ -89,13 +89,13 @@ def _render(options: GlobalOptions) -> int:
     return 0
 
 
-def _build(options: GlobalOptions, args: ImageBuildOptions) -> int:
+def _build(options: GlobalOptions, build: ImageBuildOptions) -> int:
     project = options.project
     series = project.load()
     manifest = synced_manifest(project, series)
-    ref = args.base or pinned_base(series)
+    ref = build.base or pinned_base(series)
     check_base_ref(ref, series)
-    if args.base is None and series.image.digest is None:
+    if build.base is None and series.image.digest is None:
         console.warn(f"unpinned base: {ref} has no image.digest in series.yaml, so the "
                      "image depends on whatever that tag points to today (e2 image pin)")
     # The context is written before any daemon is contacted, so it is ready
@@ -105,21 +105,21 @@ def _build(options: GlobalOptions, args: ImageBuildOptions) -> int:
     try:
         base = resolve_base(client, ref, series)
     except BaseUnavailable as unavailable:
-        if args.base is not None:
+        if build.base is not None:
             raise
-        if args.no_fallback:  # one line: the GPU host's job reads it
+        if build.no_fallback:  # one line: the GPU host's job reads it
             raise E2Error(f"cannot pull the base {ref} ({unavailable.reason}); --no-fallback: "
                           "not building on the CPU base") from None
         base = fall_back_to_cpu_base(client, series, unavailable, options.cache.base_cpu)
     ref = base.ref
-    tag = args.tag or default_tag(series, manifest["series_digest"], base.kind)
+    tag = build.tag or default_tag(series, manifest["series_digest"], base.kind)
     if base.site_packages != series.image.site_packages:
         console.info(f"base {ref} keeps vllm under {base.site_packages} "
                      f"({LABEL_SITE_PACKAGES})")
         context = prepare_context(project, series, manifest, base.site_packages)
     buildargs = {"BASE": ref, "BASE_DIGEST": base.digest, "SITE_PACKAGES": base.site_packages,
                  "BASE_KIND": base.kind, "E2_SOURCE": git_source(project)}
-    image_id = build_image(client, context, tag, buildargs, args.no_cache)
+    image_id = build_image(client, context, tag, buildargs, build.no_cache)
     layers = new_layers(client, image_id, ref)
     console.out.print(f"built {tag} ({image_id[:19]}) on {ref} ({base.kind} base)", markup=False)
     for name, layer in zip(("overlay layer", "compile layer"), layers):
@@ -152,12 +152,12 @@ def _pin(options: GlobalOptions) -> int:
     return 0
 
 
-def _base(options: GlobalOptions, args: ImageBaseOptions) -> int:
+def _base(options: GlobalOptions, request: ImageBaseOptions) -> int:
     project = options.project
     series = project.load()
-    tag = args.tag or cpu_base_ref(series)
+    tag = request.tag or cpu_base_ref(series)
     client, _ = connect_or_start(project, options.cache.dockerd)
-    build_cpu_base(series, tag, args.workdir or options.cache.base_cpu, args.force,
+    build_cpu_base(series, tag, request.workdir or options.cache.base_cpu, request.force,
                    client=client)
     return 0
 

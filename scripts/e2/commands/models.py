@@ -31,12 +31,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     store_verb.set_defaults(options=ModelsStoreOptions)
 
 
-def _scan(options: GlobalOptions, args: ModelsScanOptions) -> int:
+def _scan(options: GlobalOptions, request: ModelsScanOptions) -> int:
     series = options.project.load()
     commit = options.upstream.ensure(series)
     previous = IdsFile.load() if IDS_FILE.is_file() else None
     ids = scan(git.Repo(options.cache.upstream_repo), commit, series.upstream.version,
-               list(args.suite or DEFAULT_SUITES), previous)
+               list(request.suite or DEFAULT_SUITES), previous)
     write_atomic(IDS_FILE, ids.dump())
     console.info(f"{IDS_FILE}: {len(ids.models)} model ids, {len(ids.not_models)} not models")
     missing = missing_models(ids)

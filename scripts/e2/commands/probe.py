@@ -154,54 +154,54 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(options=ServeOptions)
 
 
-def _check_numbers(args: CapacityOptions) -> None:
-    if args.budget_gib <= 0:
-        raise E2Error(f"--budget-gib {args.budget_gib}: must be positive")
-    if args.tp < 1:
-        raise E2Error(f"--tp {args.tp}: must be at least 1")
-    if args.max_num_seqs < 1:
-        raise E2Error(f"--max-num-seqs {args.max_num_seqs}: must be at least 1")
+def _check_numbers(probe: CapacityOptions) -> None:
+    if probe.budget_gib <= 0:
+        raise E2Error(f"--budget-gib {probe.budget_gib}: must be positive")
+    if probe.tp < 1:
+        raise E2Error(f"--tp {probe.tp}: must be at least 1")
+    if probe.max_num_seqs < 1:
+        raise E2Error(f"--max-num-seqs {probe.max_num_seqs}: must be at least 1")
 
 
-def _check_options(args: CapacityOptions) -> None:
-    _check_numbers(args)
-    if (args.docker or args.stock_image or args.e2_image or args.gpus) and not args.boot:
+def _check_options(probe: CapacityOptions) -> None:
+    _check_numbers(probe)
+    if (probe.docker or probe.stock_image or probe.e2_image or probe.gpus) and not probe.boot:
         raise E2Error("--docker, --stock-image, --e2-image and --gpus go with --boot")
-    if (args.stock_image or args.e2_image or args.gpus) and not args.docker:
+    if (probe.stock_image or probe.e2_image or probe.gpus) and not probe.docker:
         raise E2Error("--stock-image, --e2-image and --gpus go with --docker")
-    if args.baseline and (args.model or args.boot or args.stock_only or args.no_record):
+    if probe.baseline and (probe.model or probe.boot or probe.stock_only or probe.no_record):
         raise E2Error("--baseline runs its own scenario matrix on the whole zoo, "
                       "both sides", hint="drop --model, --boot, --stock-only and "
                       "--no-record; --capability picks the target GPU")
 
 
-def _capacity(options: GlobalOptions, args: CapacityOptions) -> int:
+def _capacity(options: GlobalOptions, probe: CapacityOptions) -> int:
     project = options.project
-    _check_options(args)
-    if args.baseline:
-        return run_baseline(options, args)
-    specs = list(args.model) + (zoo_names() if args.zoo else [])
+    _check_options(probe)
+    if probe.baseline:
+        return run_baseline(options, probe)
+    specs = list(probe.model) + (zoo_names() if probe.zoo else [])
     if not specs:
         raise E2Error("no model given", hint="--model DIR|NAME (repeatable) or --zoo")
     models = list(dict.fromkeys(resolve_model(spec) for spec in specs))
-    runtime = make_runtime(options, args.python, args.vllm_path, args.stock_only)
+    runtime = make_runtime(options, probe.python, probe.vllm_path, probe.stock_only)
     if runtime.view is None:
         console.warn(f"E2 side skipped: {runtime.why_no_view}; running stock only")
-    settings = Settings(args.budget_gib, args.tp, args.max_num_seqs, args.max_model_len,
-                        args.kv_dtype, args.mamba_cache_mode, tuple(args.lengths),
-                        args.capability)
-    images = (boot_images(project, args.gpus, args.stock_image, args.e2_image)
-              if args.boot and args.docker else None)  # reach it first
+    settings = Settings(probe.budget_gib, probe.tp, probe.max_num_seqs, probe.max_model_len,
+                        probe.kv_dtype, probe.mamba_cache_mode, tuple(probe.lengths),
+                        probe.capability)
+    images = (boot_images(project, probe.gpus, probe.stock_image, probe.e2_image)
+              if probe.boot and probe.docker else None)  # reach it first
     per_model = run_all(runtime, models, settings)
-    if args.boot:
+    if probe.boot:
         boot_all(runtime, models, settings, per_model, images)
-    record = probe_record(project, args, runtime, per_model)
-    if args.json:
+    record = probe_record(project, probe, runtime, per_model)
+    if probe.json:
         console.out.print_json(json.dumps(record))
     else:
         print_tables(per_model)
-    if not args.no_record:
-        write_record(project, args.results, record)
+    if not probe.no_record:
+        write_record(project, probe.results, record)
     if record["leaks"]:
         raise E2Error("blocks leaked after every request finished:\n  "
                       + "\n  ".join(record["leaks"]))

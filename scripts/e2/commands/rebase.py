@@ -46,33 +46,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run, options=RebaseOptions)
 
 
-def run(options: GlobalOptions, args: RebaseOptions) -> int:
+def run(options: GlobalOptions, request: RebaseOptions) -> int:
     rebase = Rebase(options.project, options.upstream)
     with options.project.changing():
-        return _run_locked(options, args, rebase)
+        return _run_locked(options, request, rebase)
 
 
-def _run_locked(options: GlobalOptions, args: RebaseOptions, rebase: Rebase) -> int:
-    if args.validate_suite and not args.validate:
+def _run_locked(options: GlobalOptions, request: RebaseOptions, rebase: Rebase) -> int:
+    if request.validate_suite and not request.validate:
         raise E2Error("--validate-suite needs --validate")
-    if args.abort:
+    if request.abort:
         if not rebase.in_progress():
             rebase.load()  # raises "no rebase in progress"
         rebase.abort()
         console.out.print("rebase aborted: series.yaml, patches/, overlay/ and Dockerfile "
                           "are as before", markup=False)
         return 0
-    if args.onto is not None:
+    if request.onto is not None:
         series = options.project.load()
-        target = resolve_target(args.onto, series.upstream, options.upstream)
-        state = start(rebase, series, target, args.drop_obsolete)
+        target = resolve_target(request.onto, series.upstream, options.upstream)
+        state = start(rebase, series, target, request.drop_obsolete)
     else:
         state = rebase.load()
         series = rebase.backup_series()
-        if args.skip:
-            skip(rebase, state, args.reason)
+        if request.skip:
+            skip(rebase, state, request.reason)
         else:
-            continue_rebase(rebase, state, args.verdict, args.reason)
+            continue_rebase(rebase, state, request.verdict, request.reason)
     if state.phase != "finishing" and not apply_remaining(rebase, state, series):
         _print_stop(rebase, state)
         return 1
@@ -83,18 +83,18 @@ def _run_locked(options: GlobalOptions, args: RebaseOptions, rebase: Rebase) -> 
         raise E2Error("the rebased series does not verify:\n  " + "\n  ".join(
             f"{c.name}: {p}" for c in failed for p in c.problems),
             hint="fix it in .e2/rebase/work and run e2 rebase --continue, or e2 rebase --abort")
-    if args.validate:
-        checks += validation_checks(options, args)
+    if request.validate:
+        checks += validation_checks(options, request)
     report = write_report(rebase, state, series, new_series, checks)
     rebase.done()
     _print_summary(state, report)
     return 0
 
 
-def validation_checks(options: GlobalOptions, args: RebaseOptions) -> list[Check]:
+def validation_checks(options: GlobalOptions, request: RebaseOptions) -> list[Check]:
     """The seam tests and the upstream delta, as report lines (--validate)."""
     checks = []
-    suites = [arg for suite in args.validate_suite or () for arg in ("--suite", suite)]
+    suites = [arg for suite in request.validate_suite or () for arg in ("--suite", suite)]
     for verb in (["test", "seam"], ["test", "upstream", *suites]):
         command = [sys.executable, "-m", "e2.cli", "--project", str(options.project.root),
                    *global_arguments(options), *verb]

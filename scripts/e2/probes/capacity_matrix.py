@@ -303,15 +303,15 @@ def plot_matrix(record: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def run_baseline(options: GlobalOptions, args: CapacityOptions) -> int:
+def run_baseline(options: GlobalOptions, probe: CapacityOptions) -> int:
     """The whole matrix, resumable, then docs/capacity-baseline.md and .png."""
     project = options.project
-    runtime = make_runtime(options, args.python, args.vllm_path, args.stock_only)
+    runtime = make_runtime(options, probe.python, probe.vllm_path, probe.stock_only)
     if runtime.view is None:
         raise E2Error(f"--baseline compares stock with E2, and there is no E2 side: "
                       f"{runtime.why_no_view}")
-    scenarios = matrix_scenarios(args.capability)
-    folder = matrix_folder(project, args.results, runtime, args.capability)
+    scenarios = matrix_scenarios(probe.capability)
+    folder = matrix_folder(project, probe.results, runtime, probe.capability)
     folder.mkdir(parents=True, exist_ok=True)
     runtime = dataclasses.replace(runtime, view=snapshot_view(runtime.view, folder))
     results = run_matrix(runtime, folder, scenarios)

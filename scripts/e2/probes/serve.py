@@ -54,48 +54,48 @@ from e2.series import Project, Series
 from e2.testenv import prepare
 
 
-def run_serve(options: GlobalOptions, args: ServeOptions) -> int:
+def run_serve(options: GlobalOptions, probe: ServeOptions) -> int:
     project = options.project
     series = project.load()
     started = time.monotonic()
-    if args.tp not in TP_SIZES:
-        raise E2Error(f"--tp {args.tp}: the tiny model's heads split over "
+    if probe.tp not in TP_SIZES:
+        raise E2Error(f"--tp {probe.tp}: the tiny model's heads split over "
                       + ", ".join(map(str, TP_SIZES)) + " GPUs only")
-    if not args.docker and (args.stock_image or args.e2_image or args.gpus):
+    if not probe.docker and (probe.stock_image or probe.e2_image or probe.gpus):
         raise E2Error("--stock-image, --e2-image and --gpus go with --docker")
     logs = project.state_dir / "logs" / "serve"
     runner: Runner
-    if args.docker:
-        runner, model, name = _docker_runner(args, project, series, logs)
+    if probe.docker:
+        runner, model, name = _docker_runner(probe, project, series, logs)
     else:
-        runner, model, name = _local_runner(args, options.cache, project, series, logs)
+        runner, model, name = _local_runner(probe, options.cache, project, series, logs)
     plan: dict[str, int] = {}
-    modes = tuple(m for m in MODES if m in (args.modes or MODES))
+    modes = tuple(m for m in MODES if m in (probe.modes or MODES))
     sides = {side: run_side(runner, side, plan, modes) for side in SIDES}
     record = {"format": FORMAT, "header": header(project, series, runner, model,
                                                 sides["stock"].get("device"), modes,
                                                 time.monotonic() - started),
               "sides": sides}
-    report = None if args.no_record else (args.report or project.root / "docs" / "validation")
+    report = None if probe.no_record else (probe.report or project.root / "docs" / "validation")
     return conclude(record, report, name)
 
 
-def _local_runner(args: ServeOptions, cache: Cache, project: Project, series: Series,
+def _local_runner(probe: ServeOptions, cache: Cache, project: Project, series: Series,
                   logs: Path) -> tuple[LocalRunner, str, str]:
-    if args.tp != 1:
+    if probe.tp != 1:
         raise E2Error("--tp above 1 needs --docker (the local CPU engine runs one worker)")
     env, view = prepare(project, series, cache, "cpu", overlay=True)
     assert view is not None
     model = ensure_model(env.python, cache)
     run_env = {"stock": env.run_env(None), "e2": env.run_env(view.path)}
-    runner = LocalRunner(env.python, view.path, run_env, model, logs, 1, args.kv_cache_bytes)
+    runner = LocalRunner(env.python, view.path, run_env, model, logs, 1, probe.kv_cache_bytes)
     return runner, str(model), "serve-cpu"
 
 
-def _docker_runner(args: ServeOptions, project: Project, series: Series,
+def _docker_runner(probe: ServeOptions, project: Project, series: Series,
                    logs: Path) -> tuple[DockerRunner, str, str]:
     client = connect()  # first: an unreachable DOCKER_HOST fails before anything else
-    images = engine_images(project, series, args.stock_image, args.e2_image)
-    runner = DockerRunner(client, images, args.gpus, args.tp, logs, kv_bytes=args.kv_cache_bytes)
+    images = engine_images(project, series, probe.stock_image, probe.e2_image)
+    runner = DockerRunner(client, images, probe.gpus, probe.tp, logs, kv_bytes=probe.kv_cache_bytes)
     volume = runner.ensure_model()
-    return runner, f"docker volume {volume}", "serve-gpu" if args.gpus else "serve-docker"
+    return runner, f"docker volume {volume}", "serve-gpu" if probe.gpus else "serve-docker"
