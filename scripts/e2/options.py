@@ -77,23 +77,26 @@ class EnvOptions:
 
 
 @dataclass(frozen=True)
-class SeamOptions:
-    patch: tuple[str, ...] | None
-    jobs: int
+class SidesOptions:
+    """What both kinds of e2 test take: the env, where results go, the per-test timeout."""
+
     target: str
     report: Path | None
-    timeout: int  # per test, seconds
+    timeout: int  # seconds
 
 
 @dataclass(frozen=True)
-class UpstreamSuitesOptions:
+class SeamOptions(SidesOptions):
+    patch: tuple[str, ...] | None
+    jobs: int
+
+
+@dataclass(frozen=True)
+class UpstreamSuitesOptions(SidesOptions):
     suite: tuple[str, ...] | None
     ci: bool
     parallel: bool
     also_switches_off: bool
-    target: str
-    report: Path | None
-    timeout: int  # per test, seconds
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,17 @@ class ImageBaseOptions:
 
 
 @dataclass(frozen=True)
-class CapacityOptions:
+class EngineImageOptions:
+    """The probes' --docker engines: the stock and E2 images and their GPUs."""
+
+    docker: bool
+    stock_image: str | None
+    e2_image: str | None
+    gpus: str | None
+
+
+@dataclass(frozen=True)
+class CapacityOptions(EngineImageOptions):
     model: tuple[str, ...]
     zoo: bool
     budget_gib: float
@@ -138,10 +151,6 @@ class CapacityOptions:
     vllm_path: Path | None
     stock_only: bool
     boot: bool
-    docker: bool
-    stock_image: str | None
-    e2_image: str | None
-    gpus: str | None
     results: Path | None
     no_record: bool
     baseline: bool
@@ -149,11 +158,7 @@ class CapacityOptions:
 
 
 @dataclass(frozen=True)
-class ServeOptions:
-    docker: bool
-    stock_image: str | None
-    e2_image: str | None
-    gpus: str | None
+class ServeOptions(EngineImageOptions):
     tp: int
     kv_cache_bytes: int
     modes: tuple[str, ...] | None
