@@ -1,4 +1,5 @@
-"""e2 apply: the pinned upstream with the series on top, one commit per patch."""
+"""The pinned upstream with the series on top, one commit per patch (for e2 apply,
+overlay, verify, test and rebase; the verb is commands/apply.py)."""
 
 from __future__ import annotations
 

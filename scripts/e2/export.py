@@ -1,4 +1,5 @@
-"""e2 export: a worktree's commits back into patches/ and series.yaml.
+"""A worktree's commits back into patches/ and series.yaml (e2 export's work;
+the verb is commands/export.py).
 
 The reverse of ``e2 apply``: each commit on top of the pinned tag becomes
 ``patches/NNNN-slug.patch`` in git's stable format, and series.yaml gets the

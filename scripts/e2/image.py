@@ -1,4 +1,5 @@
-"""e2 image: render the engine Dockerfile and build the E2 image on a pinned vLLM base.
+"""The E2 engine image on a pinned vLLM base, and the base it falls back to (e2
+image; the verb is commands/image.py).
 
 The image is the base plus one layer: ``overlay.tar`` (overlay/vllm laid over
 the base's vllm package), written so that the same series always gives the

@@ -1,4 +1,5 @@
-"""e2 models: the offline model store that upstream's suites load their models from.
+"""The offline model store that upstream's suites load their models from (e2
+models scan|store, commands/models.py; e2 test writes it too).
 
 Upstream's tests build ``ModelConfig``s for hub ids (``facebook/opt-125m``,
 ``Qwen/Qwen3-0.6B``, ``llava-hf/llava-1.5-7b-hf``, ...). No hub is reachable

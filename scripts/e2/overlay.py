@@ -1,4 +1,5 @@
-"""e2 overlay: the files of the ``vllm`` package that the series adds or changes.
+"""The files of the ``vllm`` package that the series adds or changes (e2 overlay;
+the verb is commands/overlay.py).
 
 ``overlay/`` is laid over the vllm package of the base image (and of the CPU
 test env). It holds every changed file under ``vllm/``, the generated

@@ -1,4 +1,5 @@
-"""e2 status: what the series pins and whether its generated files are in sync.
+"""What e2 status shows (commands/status.py): what the series pins and whether
+its generated files are in sync.
 
 Cheap by design (no apply): it compares digests and file lists only; e2 verify
 is the full check.

@@ -1,4 +1,5 @@
-"""e2 env: a venv with the pinned vLLM release from PyPI, stock and with overlay/ on top.
+"""The test venv with the pinned vLLM release from PyPI, stock and with overlay/ on
+top (e2 env, commands/env.py; e2 test and the probes run in it).
 
 The venv lives in the cache directory (``venvs/<target>-<version>``) so CI
 machines reuse it; ``e2-env.json`` in it records what was installed, and a

@@ -1,4 +1,5 @@
-"""e2 test seam|upstream: the series' own tests and upstream's suites, stock vs E2, on CPU.
+"""The runs of e2 test seam|upstream (commands/test.py): the series' own tests and
+upstream's suites, stock vs E2, on CPU, classified and reported.
 
 Both run pytest from the patched tree (the series applied exactly into a
 scratch checkout, so upstream's conftest files are there) with the venv of

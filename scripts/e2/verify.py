@@ -1,4 +1,5 @@
-"""e2 verify: is the series whole, exact, and are the generated files in sync?"""
+"""The checks of e2 verify (commands/verify.py): is the series whole, exact, and
+are the generated files in sync?"""
 
 from __future__ import annotations
 
