@@ -7,7 +7,9 @@ the verb list), so a failure names the file, function or cycle to fix.
 
 from __future__ import annotations
 
+import argparse
 import ast
+import dataclasses
 from pathlib import Path
 
 from e2 import cli
@@ -120,3 +122,28 @@ def test_every_verb_has_its_commands_module():
                      "test", "image", "probe", "models"]
     missing = [verb for verb in verbs if not (E2 / "commands" / f"{verb}.py").is_file()]
     assert missing == []
+
+
+def leaf_parsers(parser: argparse.ArgumentParser, name: str = "e2"):
+    """(`e2 VERB [SUB]`, parser) for every parser that runs something."""
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subparsers:
+        yield name, parser
+    for action in subparsers:
+        for verb, child in action.choices.items():
+            yield from leaf_parsers(child, f"{name} {verb}")
+
+
+def test_every_options_field_is_an_argument_of_its_verb():
+    """cli.verb_options fills a verb's dataclass by name from its parser's arguments:
+    a field with no argument, or an argument with no field, is a bug it would only
+    meet at run time."""
+    leaves = list(leaf_parsers(cli.build_parser()))
+    assert len(leaves) == 17  # 7 verbs without a sub-verb; test 2, image 4, probe 2, models 2
+    for name, parser in leaves:
+        options = parser.get_default("options")
+        assert dataclasses.is_dataclass(options), f"{name}: no options dataclass"
+        assert options.__dataclass_params__.frozen, f"{name}: {options.__name__} not frozen"
+        arguments = {a.dest for a in parser._actions if a.dest != "help"}
+        fields = {f.name for f in dataclasses.fields(options)}
+        assert fields == arguments, f"{name}: {options.__name__}"
