@@ -10,9 +10,10 @@ directory and worktrees under tmp_path.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import git
@@ -80,6 +81,11 @@ class E2:
         self.root, self.upstream_cache, self.capsys = root, upstream_cache, capsys
         self.cache = upstream_cache.cache
         self.project = Project(root)
+
+    def command(self, *verb: str) -> Callable[..., tuple[int, str, str]]:
+        """``e2 VERB ARGS`` as a function of ARGS, returning the exit code unchecked
+        (the caller asserts it): for a test module about one verb."""
+        return functools.partial(self, *verb, expect=None)
 
     def __call__(self, *args: str, expect: int | None = 0) -> tuple[int, str, str]:
         self.capsys.readouterr()

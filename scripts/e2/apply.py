@@ -1,19 +1,20 @@
-"""e2 apply: the pinned upstream with the series on top, one commit per patch."""
+"""The pinned upstream with the series on top, one commit per patch (for e2 apply,
+overlay, verify, test and rebase; the verb is commands/apply.py)."""
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import git
 
 from e2 import console
 from e2.errors import E2Error
+from e2.export import format_patches
 from e2.faults import checkpoint
 from e2.fsio import read_tree
 from e2.gitops import (
@@ -33,9 +34,6 @@ from e2.gitops import (
 )
 from e2.series import Patch, Project, Series
 from e2.upstream import UpstreamCache
-
-if TYPE_CHECKING:
-    from e2.cli import GlobalOptions
 
 Status = Literal["clean", "offset", "merged"]
 
@@ -221,8 +219,6 @@ def _touched_paths(project: Project, patches: list[Patch]) -> list[str]:
 
 def _check_replaceable(project: Project, dest: Path) -> None:
     """--force replaces a worktree only when nothing in it would be lost."""
-    from e2.export import format_patches  # export builds on apply's modules
-
     repo = open_worktree(dest)
     require_clean(repo, "--force would delete them")
     # byte-compiled files come back by themselves; anything else ignored is the user's
@@ -346,37 +342,3 @@ def find_offsets(repo: git.Repo, project: Project, results: list[PatchResult]) -
             result.status = "offset"
         if result.status == "merged":
             result.notes.insert(0, "needed a 3-way merge (context differs from upstream)")
-
-
-# ---------------------------------------------------------------- command
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "apply", help="check out the pinned upstream and apply the series, one commit per patch",
-        description="Check out the pinned upstream release into a worktree (default .e2/work) "
-                    "and apply each patch with git am --3way, one commit per patch. Reports "
-                    "patches that only apply with an offset or a 3-way merge.")
-    parser.add_argument("--through", metavar="ID", help="stop after this patch id")
-    parser.add_argument("--out", type=Path, metavar="DIR", help="worktree directory")
-    parser.add_argument("--exact", action="store_true",
-                        help="refuse patches that need an offset or a 3-way merge")
-    parser.add_argument("--force", action="store_true", help="replace an existing worktree")
-    parser.set_defaults(run=run)
-
-
-def run(options: GlobalOptions, args: argparse.Namespace) -> int:
-    project = options.project
-    series = project.load()
-    dest = (args.out or project.default_worktree).absolute()
-    with project.changing():
-        tree = apply_series(project, series, dest, options.upstream, through=args.through,
-                            exact=args.exact, replace=args.force)
-    for result in tree.results:
-        style = {"clean": "green", "offset": "yellow", "merged": "yellow"}[result.status]
-        console.out.print(f"[{style}]{result.status:6}[/] {result.patch.id} {result.patch.title}")
-        for note in result.notes:
-            console.out.print(f"         {note}", markup=False)
-    console.out.print(f"worktree {dest} (branch e2 on {tree.base_tag}, "
-                      f"{len(tree.results)} patches)", markup=False)
-    return 0

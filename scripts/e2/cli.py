@@ -1,16 +1,30 @@
-"""The ``e2`` command: one sub-command per module (apply, overlay, verify, export, status)."""
+"""The ``e2`` command: the global options, then one verb.
+
+Verbs (each in ``commands/<verb>.py``, which holds its parser and its run):
+apply, overlay, verify, export, status and rebase (the series and its
+upstream), env (the CPU test venv), test seam|upstream (seam tests, upstream's
+suites stock vs E2), image render|build|pin|base (the engine image), probe
+capacity|serve (what the series changes, measured) and models scan|store (the
+offline model store).
+
+This is the one place an argparse Namespace is read: ``main`` turns it into
+``GlobalOptions`` and the verb's options dataclass (e2.options), calls the
+verb, and turns every error into one line and an exit code.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from e2 import (
+from e2 import console, crash
+from e2.apply import UpstreamOptions
+from e2.cache import Cache
+from e2.commands import (
     apply,
-    console,
-    crash,
+    env,
     export,
     image,
     models,
@@ -18,28 +32,16 @@ from e2 import (
     probe,
     rebase,
     status,
-    testenv,
-    validate,
+    test,
     verify,
 )
-from e2.apply import UpstreamOptions
-from e2.cache import Cache
 from e2.errors import E2Error
+from e2.options import GlobalOptions
 from e2.series import Project
 from e2.upstream import UpstreamCache
 
-VERBS = (apply, overlay, verify, export, status, rebase, testenv, validate, image, probe,
-         models)
-
-
-@dataclass(frozen=True)
-class GlobalOptions:
-    """What the options before the verb resolve to; every verb's ``run`` gets it
-    beside its own argparse arguments."""
-
-    project: Project
-    cache: Cache
-    upstream: UpstreamOptions  # where upstream comes from, imported into ``cache``
+# In the order `e2 --help` lists them.
+VERBS = (apply, overlay, verify, export, status, rebase, env, test, image, probe, models)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = GlobalOptions(Project.find(args.project), cache, UpstreamOptions(
             UpstreamCache(cache), args.source, args.upstream_path))
-        return args.run(options, args)
+        return args.run(options, verb_options(args))
     except E2Error as exc:
         return _report(exc.message, exc.hint, exc.exit_code)
     except KeyboardInterrupt:
@@ -82,6 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         where = f"details in {log}" if log else "no crash log could be written"
         return _report(f"unexpected {type(exc).__name__}: {exc} ({where})",
                        "please report it with that log", 3)
+
+
+def verb_options(args: argparse.Namespace) -> object:
+    """The verb's options dataclass (its parser's ``options`` default), field by
+    field from the arguments of the same name; repeated options as tuples."""
+    fields = dataclasses.fields(args.options)
+    values = {f.name: getattr(args, f.name) for f in fields}
+    return args.options(**{name: tuple(value) if isinstance(value, list) else value
+                           for name, value in values.items()})
 
 
 def _report(message: str, hint: str | None, code: int) -> int:

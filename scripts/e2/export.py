@@ -1,4 +1,5 @@
-"""e2 export: a worktree's commits back into patches/ and series.yaml.
+"""A worktree's commits back into patches/ and series.yaml (e2 export's work;
+the verb is commands/export.py).
 
 The reverse of ``e2 apply``: each commit on top of the pinned tag becomes
 ``patches/NNNN-slug.patch`` in git's stable format, and series.yaml gets the
@@ -9,15 +10,12 @@ condition the author fills in (verify names what is missing).
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import git
 
-from e2 import console
 from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.fsio import read_tree, replace_dir, write_atomic
@@ -31,9 +29,6 @@ from e2.gitops import (
 )
 from e2.series import Patch, Project, Series, slugify
 from e2.series_yaml import render_series
-
-if TYPE_CHECKING:
-    from e2.cli import GlobalOptions
 
 
 @dataclass
@@ -143,37 +138,3 @@ def export_series(project: Project, series: Series, source: Path) -> ExportResul
             replace_dir(project.patches_dir, old_patches)
             raise
     return ExportResult(entries, new, dropped, changed)
-
-
-# ---------------------------------------------------------------- command
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "export", help="turn a worktree's commits into patches/ and series.yaml",
-        description="Write each commit on top of the pinned tag in the worktree as "
-                    "patches/NNNN-slug.patch (git format-patch --zero-commit "
-                    "--no-signature, fixed abbrev) and update series.yaml. Exporting an "
-                    "unchanged worktree rewrites nothing.")
-    parser.add_argument("--from", dest="source", type=Path, metavar="DIR",
-                        help="worktree made by e2 apply (default .e2/work)")
-    parser.set_defaults(run=run)
-
-
-def run(options: GlobalOptions, args: argparse.Namespace) -> int:
-    project = options.project
-    series = project.load()
-    source = (args.source or project.default_worktree).absolute()
-    with project.changing():
-        result = export_series(project, series, source)
-    if not result.changed:
-        console.out.print(f"patches/ and series.yaml already match {source}", markup=False)
-        return 0
-    console.out.print(f"exported {len(result.entries)} patches from {source}", markup=False)
-    for line in result.dropped:
-        console.out.print(f"  dropped {line} (no commit for it any more)", markup=False)
-    if result.new:
-        console.warn("new patches " + ", ".join(result.new) + " need metadata: fill in "
-                     "switch, drop_when and tests in series.yaml, then run e2 verify")
-        return 1
-    return 0

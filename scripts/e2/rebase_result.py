@@ -5,10 +5,14 @@ its digest unpinned), ``overlay/`` and the ``Dockerfile`` regenerated.
 
 from __future__ import annotations
 
+from e2.apply import ScratchTree
+from e2.dockerfile import render_dockerfile
 from e2.errors import E2Error
+from e2.export import format_patches
 from e2.faults import checkpoint
 from e2.fsio import replace_dir, write_atomic
 from e2.gitops import commit_summary
+from e2.overlay import plan_overlay, write_overlay
 from e2.rebase_state import APPLIED, Rebase, RebaseState
 from e2.series import Project, Series, Upstream, slugify
 from e2.series_yaml import render_series
@@ -16,10 +20,6 @@ from e2.series_yaml import render_series
 
 def finish(rebase: Rebase, state: RebaseState, series: Series) -> Series:
     """Write the rebased series, overlay and Dockerfile; return the new series."""
-    from e2.apply import ScratchTree
-    from e2.export import format_patches
-    from e2.overlay import plan_overlay, write_overlay
-
     state.phase = "finishing"
     state.save(rebase.state_file)
     repo = rebase.repo()
@@ -67,9 +67,5 @@ def retag_base(base: str, tag: str) -> str:
 
 
 def _write_dockerfile(project: Project, series: Series, manifest: dict) -> None:
-    try:
-        from e2.dockerfile import render_dockerfile
-    except ImportError:  # a checkout without the image half
-        return
     if (project.root / "images").is_dir():
         write_atomic(project.root / "Dockerfile", render_dockerfile(project, series, manifest))

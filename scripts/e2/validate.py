@@ -1,4 +1,5 @@
-"""e2 test seam|upstream: the series' own tests and upstream's suites, stock vs E2, on CPU.
+"""The runs of e2 test seam|upstream (commands/test.py): the series' own tests and
+upstream's suites, stock vs E2, on CPU, classified and reported.
 
 Both run pytest from the patched tree (the series applied exactly into a
 scratch checkout, so upstream's conftest files are there) with the venv of
@@ -19,7 +20,6 @@ and series digest they were made from.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -28,7 +28,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.table import Table
 
@@ -39,11 +38,9 @@ from e2.errors import E2Error
 from e2.fsio import write_atomic
 from e2.junit import PytestRun, parse_junit
 from e2.models import prepare_store
+from e2.options import GlobalOptions, SeamOptions, UpstreamSuitesOptions
 from e2.series import Patch, Project, Series, series_digest
-from e2.testenv import TARGETS, TestEnv, View, prepare
-
-if TYPE_CHECKING:
-    from e2.cli import GlobalOptions
+from e2.testenv import TestEnv, View, prepare
 
 # Upstream's suites over what the series changes: all of tests/v1/core and
 # tests/v1/worker, test_envs.py (envs.py carries the switch registry) and the
@@ -156,13 +153,13 @@ class Sides:
         return result
 
 
-def prepare_sides(options: GlobalOptions, args: argparse.Namespace, series: Series,
+def prepare_sides(options: GlobalOptions, target: str, timeout: int, series: Series,
                   tree: Path, kind: str) -> Sides:
     project = options.project
-    env, view = prepare(project, series, options.cache, args.target, overlay=True)
+    env, view = prepare(project, series, options.cache, target, overlay=True)
     assert view is not None
     hub_cache = prepare_store(series, options.cache, env.python)
-    return Sides(env, view, tree, hub_cache, project.state_dir / "logs" / kind, args.timeout)
+    return Sides(env, view, tree, hub_cache, project.state_dir / "logs" / kind, timeout)
 
 
 # ---------------------------------------------------------------- seam
@@ -223,19 +220,19 @@ def seam_markdown(header: dict, patches: list[SeamPatch]) -> str:
     return reports.render("seam.md.j2", header=header, patches=patches)
 
 
-def run_seam(options: GlobalOptions, args: argparse.Namespace) -> int:
+def run_seam(options: GlobalOptions, request: SeamOptions) -> int:
     project = options.project
     series = project.load()
-    patches = [series.by_id(i) for i in args.patch] if args.patch else list(series.patches)
+    patches = [series.by_id(i) for i in request.patch] if request.patch else list(series.patches)
     if not patches:
         raise E2Error("series.yaml has no patches to test")
     started = time.monotonic()
     with ScratchTree(project, series, options.upstream, sparse=False,
                      prefix="validate-") as applied:
-        sides = prepare_sides(options, args, series, applied.path, "seam")
+        sides = prepare_sides(options, request.target, request.timeout, series, applied.path, "seam")
         # every run is its own pytest process over the same tree, so they can overlap
         runs = sides.run_many([job for patch in patches for job in seam_jobs(patch)],
-                              "seam tests", workers=args.jobs)
+                              "seam tests", workers=request.jobs)
         results = [seam_patch(patch, runs[3 * i:3 * i + 3]) for i, patch in enumerate(patches)]
     header = _header(project, series, sides.env, time.monotonic() - started)
     table = Table("patch", "switch", "E2", "control", "stock", "verdict", title="seam tests")
@@ -254,7 +251,7 @@ def run_seam(options: GlobalOptions, args: argparse.Namespace) -> int:
         "verdict": "passed" if p.ok else "failed",
         "checks": [{"kind": c.kind, "expect": c.expect, "ok": c.ok, **asdict(c.run)}
                    for c in p.checks]} for p in results]}
-    _write_results(args.report or project.state_dir / "results", "seam", data,
+    _write_results(request.report or project.state_dir / "results", "seam", data,
                    seam_markdown(header, results))
     return 0 if all(p.ok for p in results) else 1
 
@@ -304,20 +301,20 @@ def upstream_markdown(header: dict, suites: list[str], runs: dict[str, PytestRun
                           files=files, classes=verdict_groups(verdicts))
 
 
-def e2_variants(series: Series, args: argparse.Namespace) -> dict[str, dict[str, str]]:
+def e2_variants(series: Series, also_switches_off: bool) -> dict[str, dict[str, str]]:
     """Report name -> the E2 side's switches: as shipped (their defaults) and, with
     --also-switches-off, every switch at "0" (upstream behaviour) against the same stock."""
     variants: dict[str, dict[str, str]] = {"upstream": {}}
-    if args.also_switches_off:
+    if also_switches_off:
         variants["upstream-switches-off"] = {p.switch.name: "0" for p in series.patches}
     return variants
 
 
-def run_upstream(options: GlobalOptions, args: argparse.Namespace) -> int:
+def run_upstream(options: GlobalOptions, request: UpstreamSuitesOptions) -> int:
     project = options.project
     series = project.load()
-    suites = args.suite or list(CI_SUITES if args.ci else DEFAULT_SUITES)
-    variants = e2_variants(series, args)
+    suites = list(request.suite or (CI_SUITES if request.ci else DEFAULT_SUITES))
+    variants = e2_variants(series, request.also_switches_off)
     started = time.monotonic()
     with ScratchTree(project, series, options.upstream, sparse=False,
                      prefix="validate-") as applied:
@@ -325,11 +322,11 @@ def run_upstream(options: GlobalOptions, args: argparse.Namespace) -> int:
         missing = [s for s in suites if not (tree / s.split("::", 1)[0]).exists()]
         if missing:
             raise E2Error("no such suite in the patched tree: " + ", ".join(missing))
-        sides = prepare_sides(options, args, series, tree, "upstream")
+        sides = prepare_sides(options, request.target, request.timeout, series, tree, "upstream")
         jobs: list[Job] = [("stock", suites, "upstream stock", None)]
         jobs += [("e2", suites, name.replace("upstream", "upstream e2"), switches)
                  for name, switches in variants.items()]
-        stock, *e2_runs = (sides.run_many(jobs, "upstream stock and e2") if args.parallel
+        stock, *e2_runs = (sides.run_many(jobs, "upstream stock and e2") if request.parallel
                            else [sides.run(*job) for job in jobs])
         if not stock.outcomes:
             raise E2Error(f"the stock run reported no tests (exit {stock.returncode})",
@@ -345,12 +342,12 @@ def run_upstream(options: GlobalOptions, args: argparse.Namespace) -> int:
     regressions = 0
     for (name, switches), e2 in zip(variants.items(), e2_runs):
         runs = {"stock": stock, "e2": e2, **({"stock again": stock_again} if stock_again else {})}
-        regressions += report_upstream(args, project, name, header, suites, runs, switches,
+        regressions += report_upstream(request.report, project, name, header, suites, runs, switches,
                                        str(sides.hub_cache))
     return 1 if regressions else 0
 
 
-def report_upstream(args: argparse.Namespace, project: Project, name: str, header: dict,
+def report_upstream(report: Path | None, project: Project, name: str, header: dict,
                     suites: list[str], runs: dict[str, PytestRun], switches: dict[str, str],
                     hub_cache: str) -> int:
     """Classify E2's run against stock's, print and write it as ``name``; the regressions."""
@@ -375,7 +372,7 @@ def report_upstream(args: argparse.Namespace, project: Project, name: str, heade
                                   "e2": v.e2} for v in verdicts},
             "regressions": {v.test: {"stock": v.stock, "e2": v.e2} for v in verdicts
                             if v.kind == "regression"}}
-    _write_results(args.report or project.state_dir / "results", name, data,
+    _write_results(report or project.state_dir / "results", name, data,
                    upstream_markdown(header, suites, runs, verdicts, switches))
     return tally["regression"]
 
@@ -397,50 +394,3 @@ def _write_results(directory: Path, name: str, data: dict, markdown: str) -> Non
     write_atomic(directory / f"{name}.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
     write_atomic(directory / f"{name}.md", markdown)
     console.info(f"results: {directory / name}.json, {directory / name}.md")
-
-
-# ---------------------------------------------------------------- command
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
-    return int(text)
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "test", help="run the series' seam tests or upstream's suites, stock vs E2, on CPU",
-        description="Run tests in the venv of e2 env (made or reused as needed), from the "
-                    "series applied exactly into a scratch checkout.")
-    verbs = parser.add_subparsers(dest="test_command", metavar="KIND", required=True)
-    seam = verbs.add_parser(
-        "seam", help="each patch's tests: pass on E2, pass with its switch flipped, fail on stock")
-    seam.add_argument("--patch", action="append", metavar="ID",
-                      help="only this patch (repeatable; default: all)")
-    seam.add_argument("--jobs", type=_positive, default=os.cpu_count() or 1, metavar="N",
-                      help="pytest runs at once (default: the number of CPUs)")
-    seam.set_defaults(run=run_seam, timeout=SEAM_TIMEOUT)
-    suites = verbs.add_parser(
-        "upstream", help="upstream's own suites on stock and on E2; exit 1 on any regression")
-    suites.add_argument("--suite", action="append", metavar="PATH",
-                        help="test path or node id in the patched tree (repeatable; default: "
-                             + ", ".join(DEFAULT_SUITES) + ")")
-    suites.add_argument("--ci", action="store_true",
-                        help="only the suites CI runs: " + ", ".join(CI_SUITES))
-    suites.add_argument("--parallel", action="store_true",
-                        help="run the stock and E2 sides at once (for suites that share no "
-                             "ports or files between processes; CI's do)")
-    suites.add_argument("--also-switches-off", action="store_true",
-                        help="run E2 a second time with every switch of the series at 0 "
-                             "(upstream behaviour), against the same stock run; written as "
-                             "upstream-switches-off.json and .md")
-    suites.set_defaults(run=run_upstream, timeout=UPSTREAM_TIMEOUT)
-    for verb in (seam, suites):
-        verb.add_argument("--target", choices=tuple(TARGETS), default="cpu",
-                          help="which env of e2 env to test in (default: cpu)")
-        verb.add_argument("--report", type=Path, metavar="DIR",
-                          help="write the JSON and Markdown results here "
-                               "(default .e2/results)")
-        verb.add_argument("--timeout", type=int, metavar="SECONDS",
-                          help="per-test timeout (pytest-timeout)")

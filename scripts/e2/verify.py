@@ -1,22 +1,17 @@
-"""e2 verify: is the series whole, exact, and are the generated files in sync?"""
+"""The checks of e2 verify (commands/verify.py): is the series whole, exact, and
+are the generated files in sync?"""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import git
 
-from e2 import console
 from e2.apply import AppliedTree, ScratchTree, UpstreamOptions
 from e2.dockerfile import dockerfile_drift, has_dockerfile
 from e2.errors import E2Error
 from e2.overlay import PACKAGE, OverlayPlan, overlay_drift, plan_overlay, sync_problems
 from e2.series import Project, Series
-
-if TYPE_CHECKING:
-    from e2.cli import GlobalOptions
 
 REGISTRY_FILE = f"{PACKAGE}/envs.py"
 
@@ -151,30 +146,3 @@ def verify(project: Project, series: Series, upstream: UpstreamOptions) -> list[
     except E2Error as exc:
         applies.problems.append(str(exc))
     return checks
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "verify", help="check the series is whole, applies exactly and matches overlay/",
-        description="Schema, ids, series.yaml vs patches/, exact apply of every patch, "
-                    "switch read sites, declared tests, and overlay/ (and Dockerfile) equal "
-                    "to what the series generates.")
-    parser.set_defaults(run=run)
-
-
-def run(options: GlobalOptions, args: argparse.Namespace) -> int:
-    project = options.project
-    series = project.load()  # schema errors raise with file:line:column
-    failed = 0
-    for check in verify(project, series, options.upstream):
-        mark = "[green]ok[/]  " if check.ok else "[red]FAIL[/]"
-        console.out.print(f"{mark} {check.name}")
-        for problem in check.problems:
-            console.out.print("     " + problem.replace("\n", "\n     "), markup=False)
-        failed += not check.ok
-    if failed:
-        console.error(f"{failed} check(s) failed")
-        return 1
-    console.out.print(f"series verified: {len(series.patches)} patches on "
-                      f"{series.upstream.tag}", markup=False)
-    return 0

@@ -311,7 +311,7 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(case, checkout, upstrea
 
 def test_an_unexpected_error_is_one_line_and_a_crash_log(checkout, tmp_path, capsys,
                                                          monkeypatch):
-    from e2 import status
+    from e2.commands import status
 
     def broken(options, args):
         raise KeyError("a bug")

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT, state_listing
-from e2 import cli, status
+from e2 import cli
 from e2.cache import Cache
+from e2.commands import status
 
 
 def test_the_layout_keeps_the_folder_names_existing_caches_have(tmp_path):

@@ -10,7 +10,6 @@ otherwise), so the backend facts below are vLLM's, pinned.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
@@ -18,12 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import E2
 from e2 import cli
 from e2.apply import UpstreamOptions
-from e2.cli import GlobalOptions
+from e2.options import GlobalOptions
 from e2.probes import capacity, capacity_matrix
 from e2.probes.runtime import Runtime, ensure_image_packages, make_runtime
 from e2.series import Project
+from e2.upstream import UpstreamCache
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,15 +44,9 @@ def venv_python(cache) -> Path:
 
 @pytest.fixture
 def e2_capacity(capsys, cache):
-    """`e2 probe capacity` on this checkout (read only) with the tests' cache."""
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = cli.main(["--project", str(REPO), "--cache", str(cache.root),
-                         "probe", "capacity", *args])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
+    """`e2 probe capacity` on this checkout (read only) with the tests' cache. The
+    upstream sdist is not fetched: the probe runs the release from the CPU venv."""
+    return E2(REPO, UpstreamCache(cache), capsys).command("probe", "capacity")
 
 
 def _options(upstream_cache) -> GlobalOptions:
@@ -73,8 +68,7 @@ def runtime(venv_python, upstream_cache) -> Runtime:
 @pytest.fixture(scope="module")
 def e2_runtime(upstream_cache) -> Runtime:
     """Stock and E2 (the view of this checkout's overlay) as `e2 probe capacity` runs them."""
-    return make_runtime(_options(upstream_cache), argparse.Namespace(
-        python=None, vllm_path=None, stock_only=False))
+    return make_runtime(_options(upstream_cache))
 
 
 def _settings(**changes) -> capacity.Settings:

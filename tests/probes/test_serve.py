@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_checkout
+from conftest import E2, copy_checkout
 from e2 import cli
 from e2.probes import serve_cases, serve_compare, serve_report, serve_settings
+from e2.upstream import UpstreamCache
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +28,8 @@ def project(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def serve_main(capsys, cache, project):
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = cli.main(["--project", str(project), "--cache", str(cache.root),
-                         "probe", "serve", *args])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
+    """`e2 probe serve` on the copy of this checkout with the tests' cache."""
+    return E2(project, UpstreamCache(cache), capsys).command("probe", "serve")
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,14 @@ source and local tree (not the default cache)."""
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from e2 import cli, rebase
+from e2 import cli
+from e2.commands import rebase
+from e2.options import GlobalOptions, RebaseOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +29,8 @@ def validate_as_started_with(monkeypatch, argv: list[str]) -> list:
     """Run validation_checks on the arguments cli.main builds for ``e2 ARGV rebase``."""
     found: list = []
 
-    def validate_only(options: cli.GlobalOptions, args: argparse.Namespace) -> int:
+    def validate_only(options: GlobalOptions, args: RebaseOptions) -> int:
+        assert args.validate_suite == ("tests/no_such_suite.py",)  # repeated: a tuple
         found.extend(rebase.validation_checks(options, args))
         return 0
 

@@ -31,7 +31,7 @@ API_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
 
 
 class Settings(Protocol):
-    """What a boot reads of the capacity probe's settings (e2.probe.Settings, frozen)."""
+    """What a boot reads of the capacity probe's settings (e2.probes.capacity.Settings, frozen)."""
 
     @property
     def budget_gib(self) -> float: ...

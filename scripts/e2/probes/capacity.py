@@ -11,7 +11,6 @@ result, capacity_matrix.py runs the whole scenario matrix.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import subprocess
@@ -22,6 +21,8 @@ from pathlib import Path
 
 from e2 import console
 from e2.errors import E2Error
+from e2.image import connect, engine_images
+from e2.probes.boot import read_boot_line, read_boot_line_docker
 from e2.probes.runtime import Runtime
 from e2.series import Project
 
@@ -166,8 +167,6 @@ def boot_all(runtime: Runtime, models: list[Path], settings: Settings,
              per_model: dict[str, dict], docker: dict | None = None) -> None:
     """Boot each side once per model (one at a time: each holds the model's weights);
     ``docker`` ({client, images, gpus}) boots the engine images instead."""
-    from e2.probes.boot import read_boot_line, read_boot_line_docker
-
     for model in models:
         max_len = settings.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model_max_len(model))
         model_settings = dataclasses.replace(settings, max_model_len=max_len)
@@ -187,14 +186,12 @@ def boot_all(runtime: Runtime, models: list[Path], settings: Settings,
             console.info(f"{model.name} {side}: {boot['kv_line']} ({boot['seconds']} s)")
 
 
-def boot_images(project: Project, args: argparse.Namespace) -> dict:
+def boot_images(project: Project, gpus: str | None, stock_image: str | None,
+                e2_image: str | None) -> dict:
     """Stock and E2 engine images on DOCKER_HOST for --boot --docker (the GPU host)."""
-    from e2.image import connect, engine_images
-
     client = connect()  # an unreachable DOCKER_HOST fails here, before any boot
-    return {"client": client, "gpus": args.gpus,
-            "images": engine_images(project, project.load(), args.stock_image,
-                                    args.e2_image)}
+    return {"client": client, "gpus": gpus,
+            "images": engine_images(project, project.load(), stock_image, e2_image)}
 
 
 # ---------------------------------------------------------------- stock vs E2

@@ -6,7 +6,6 @@ the summary record docs/validation/capacity-baseline.json.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import hashlib
@@ -19,10 +18,10 @@ import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from e2 import console, reports
 from e2.errors import E2Error
+from e2.options import CapacityOptions, GlobalOptions
 from e2.probes.capacity import (
     DEFAULT_LENGTHS,
     SIDES,
@@ -36,9 +35,6 @@ from e2.probes.capacity import (
 from e2.probes.capacity_report import publish
 from e2.probes.runtime import Runtime, make_runtime
 from e2.series import Project, series_digest
-
-if TYPE_CHECKING:
-    from e2.cli import GlobalOptions
 
 # What E2 must reach in every run of the matrix (issue: state pool, switch and proof).
 E2_MIN_RATIO = 0.98
@@ -57,14 +53,14 @@ def matrix_scenarios(capability: str) -> list[tuple[str, Settings]]:
     return runs
 
 
-def matrix_folder(project: Project, args: argparse.Namespace, runtime: Runtime,
+def matrix_folder(project: Project, results: Path | None, runtime: Runtime,
                   capability: str) -> Path:
     """Per-run results of one worker, series and target: a rerun resumes there."""
     assert runtime.view is not None  # the matrix compares stock with E2: there is an E2 side
     key = hashlib.sha256(b"".join(path.read_bytes() for path in WORKER_FILES)
                          + (runtime.view / "MANIFEST.json").read_bytes()
                          + capability.encode()).hexdigest()[:16]
-    return (args.results or project.state_dir / "results") / "capacity-matrix" / key
+    return (results or project.state_dir / "results") / "capacity-matrix" / key
 
 
 def snapshot_view(view: Path, folder: Path) -> Path:
@@ -307,15 +303,15 @@ def plot_matrix(record: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def run_baseline(options: GlobalOptions, args: argparse.Namespace) -> int:
+def run_baseline(options: GlobalOptions, probe: CapacityOptions) -> int:
     """The whole matrix, resumable, then docs/capacity-baseline.md and .png."""
     project = options.project
-    runtime = make_runtime(options, args)
+    runtime = make_runtime(options, probe.python, probe.vllm_path, probe.stock_only)
     if runtime.view is None:
         raise E2Error(f"--baseline compares stock with E2, and there is no E2 side: "
                       f"{runtime.why_no_view}")
-    scenarios = matrix_scenarios(args.capability)
-    folder = matrix_folder(project, args, runtime, args.capability)
+    scenarios = matrix_scenarios(probe.capability)
+    folder = matrix_folder(project, probe.results, runtime, probe.capability)
     folder.mkdir(parents=True, exist_ok=True)
     runtime = dataclasses.replace(runtime, view=snapshot_view(runtime.view, folder))
     results = run_matrix(runtime, folder, scenarios)

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -17,12 +16,13 @@ from rich.table import Table
 
 from e2 import console, reports
 from e2.fsio import write_atomic
+from e2.options import CapacityOptions
 from e2.probes.capacity import differences, leaks
 from e2.probes.runtime import Runtime
 from e2.series import Project, series_digest
 
 
-def probe_record(project: Project, args: argparse.Namespace, runtime: Runtime,
+def probe_record(project: Project, probe: CapacityOptions, runtime: Runtime,
                  per_model: dict[str, dict]) -> dict:
     """Both sides' results per model with what produced them and how E2 differs."""
     series = project.load()
@@ -36,25 +36,25 @@ def probe_record(project: Project, args: argparse.Namespace, runtime: Runtime,
         "host": f"{platform.node()} ({platform.system()} {platform.machine()}, "
                 f"{os.cpu_count()} CPUs)",
         "device": f"none: CPU only; the planner reproduces a CUDA boot on compute "
-                  f"capability {args.capability}",
-        "capability": args.capability,
+                  f"capability {probe.capability}",
+        "capability": probe.capability,
         "backend": first["backend"],
         "python": str(runtime.python), "view": str(runtime.view) if runtime.view else None,
         "why_no_view": runtime.why_no_view,
         "command": "e2 " + shlex.join(sys.argv[1:]),
-        "settings": {"budget_gib": args.budget_gib, "tp": args.tp,
-                     "max_num_seqs": args.max_num_seqs, "kv_dtype": args.kv_dtype,
-                     "mamba_cache_mode": args.mamba_cache_mode,
-                     "capability": args.capability, "lengths": list(args.lengths)},
+        "settings": {"budget_gib": probe.budget_gib, "tp": probe.tp,
+                     "max_num_seqs": probe.max_num_seqs, "kv_dtype": probe.kv_dtype,
+                     "mamba_cache_mode": probe.mamba_cache_mode,
+                     "capability": probe.capability, "lengths": list(probe.lengths)},
         "models": per_model,
         "differences": differences(per_model),
         "leaks": leaks(per_model),
     }
 
 
-def write_record(project: Project, args: argparse.Namespace, record: dict) -> None:
+def write_record(project: Project, results: Path | None, record: dict) -> None:
     """docs/validation/capacity-<time>.json and .md (or under --results)."""
-    results = args.results or project.root / "docs" / "validation"
+    results = results or project.root / "docs" / "validation"
     stamp = record["created"].replace(":", "").replace("-", "")[:15]
     base = results / f"capacity-{stamp}"
     record["record_md"] = str(base.with_suffix(".md").relative_to(project.root)

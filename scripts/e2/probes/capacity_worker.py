@@ -56,12 +56,12 @@ def _parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _check_model(args: argparse.Namespace) -> dict:
+def _check_model(model: Path) -> dict:
     from vllm.model_executor.models import ModelRegistry
 
-    config_file = args.model / "config.json"
+    config_file = model / "config.json"
     if not config_file.is_file():
-        raise ProbeInputError(f"{args.model}: no config.json in the model folder")
+        raise ProbeInputError(f"{model}: no config.json in the model folder")
     try:
         data = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
@@ -144,7 +144,7 @@ def main() -> int:
     jobs = [Job.from_json(item) for item in json.loads(args.jobs.read_text())]
     try:
         parse_capability(args.capability)
-        config = _check_model(args)
+        config = _check_model(args.model)
         load_model_classes(config["architectures"])
         emulate_cuda(args.capability)
     except Exception as exc:  # noqa: BLE001 - every run gets the same failure

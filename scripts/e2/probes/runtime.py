@@ -5,7 +5,6 @@ packages that vLLM's attention backend selection imports).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -13,17 +12,14 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import git
 
 from e2 import console
 from e2.cache import Cache
 from e2.errors import E2Error
-from e2.testenv import clean_env
-
-if TYPE_CHECKING:
-    from e2.cli import GlobalOptions
+from e2.options import GlobalOptions
+from e2.testenv import clean_env, prepare
 
 STUBS = Path(__file__).resolve().parent / "stubs"
 # Packages of the CUDA engine image that vLLM's backend selection imports (FlashInfer
@@ -102,24 +98,24 @@ def ensure_image_packages(options: GlobalOptions, python: Path) -> Path:
     return folder
 
 
-def make_runtime(options: GlobalOptions, args: argparse.Namespace) -> Runtime:
-    """The CPU test env (made or reused as by e2 env) and its e2 view, or --python."""
-    if args.python:
-        python, view = Path(args.python), None
+def make_runtime(options: GlobalOptions, python_path: Path | None = None,
+                 vllm_path: Path | None = None, stock_only: bool = False) -> Runtime:
+    """The CPU test env (made or reused as by e2 env) and its e2 view, or --python
+    (``python_path``) with --vllm-path as the E2 side."""
+    if python_path:
+        python, view = Path(python_path), None
         if not python.is_file():
             raise E2Error(f"{python}: no such python", hint="pass --python of a vLLM venv")
-        if args.vllm_path is not None:
-            if not (args.vllm_path / "vllm" / "__init__.py").is_file():
-                raise E2Error(f"--vllm-path {args.vllm_path}: no vllm package in it")
-            view = args.vllm_path.resolve()
-        why = None if view or args.stock_only else "--python without --vllm-path: stock only"
+        if vllm_path is not None:
+            if not (vllm_path / "vllm" / "__init__.py").is_file():
+                raise E2Error(f"--vllm-path {vllm_path}: no vllm package in it")
+            view = vllm_path.resolve()
+        why = None if view or stock_only else "--python without --vllm-path: stock only"
     else:
-        from e2.testenv import prepare
-
         env, made = prepare(options.project, options.project.load(), options.cache,
-                            "cpu", overlay=not args.stock_only)
+                            "cpu", overlay=not stock_only)
         python, view, why = env.python, made.path if made else None, None
-    if args.stock_only:
+    if stock_only:
         view, why = None, "--stock-only"
     probe = subprocess.run(
         [str(python), "-c", "import importlib.util as u; print(u.find_spec('vllm') is not None,"

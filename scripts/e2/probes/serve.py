@@ -28,7 +28,7 @@ request or case that did not exercise its path exits non-zero. Records: JSON
 and Markdown (``serve-cpu`` or ``serve-docker``/``serve-gpu``) under
 docs/validation/.
 
-This module is the command; the parts are ``serve_client`` (the stdlib HTTP
+This module runs the probe (its parser is commands/probe.py); the parts are ``serve_client`` (the stdlib HTTP
 client), ``serve_model`` (the tiny model), ``engines`` (local and Docker
 engines), ``serve_metrics`` (what an engine reports), ``serve_cases`` (the
 cases and a side's run), ``serve_compare`` (the verdict) and ``serve_report``
@@ -37,100 +37,65 @@ cases and a side's run), ``serve_compare`` (the verdict) and ``serve_report``
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from e2.cache import Cache
+from e2.dockerhost import connect
 from e2.errors import E2Error
+from e2.image import engine_images
+from e2.options import GlobalOptions, ServeOptions
 from e2.probes.engines import DockerRunner, LocalRunner, Runner
 from e2.probes.serve_cases import run_side
 from e2.probes.serve_model import ensure_model
 from e2.probes.serve_report import conclude, header
-from e2.probes.serve_settings import FORMAT, KV_CACHE_BYTES, MAX_MODEL_LEN, MODES, SIDES, TP_SIZES
+from e2.probes.serve_settings import FORMAT, MODES, SIDES, TP_SIZES
 from e2.series import Project, Series
-
-if TYPE_CHECKING:
-    from e2.cli import GlobalOptions
+from e2.testenv import prepare
 
 
-def add_engine_image_arguments(parser: argparse.ArgumentParser) -> None:
-    """The stock/E2 image pair and GPUs of the probes' --docker paths (the GPU host)."""
-    parser.add_argument("--stock-image", metavar="REF",
-                        help="stock engine image (--docker; default: image.base of series.yaml)")
-    parser.add_argument("--e2-image", metavar="REF",
-                        help="E2 engine image (--docker; default: vllm-e2:<version>-<digest12>)")
-    parser.add_argument("--gpus", metavar="all|IDS", help="--docker: GPUs for the engines "
-                        "(docker run --gpus; 'all' or comma-separated ids)")
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--docker", action="store_true",
-                        help="run the engines in images through the Docker SDK (DOCKER_HOST, "
-                             "ssh:// included) instead of the local e2 env")
-    add_engine_image_arguments(parser)
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
-    parser.add_argument("--kv-cache-bytes", type=int, default=KV_CACHE_BYTES, metavar="N",
-                        help="each engine's KV cache (--kv-cache-memory-bytes; default "
-                             f"{KV_CACHE_BYTES}: small, so the oversubscribed case preempts; "
-                             f"must hold {MAX_MODEL_LEN} tokens)")
-    parser.add_argument("--mode", action="append", choices=MODES, dest="modes",
-                        help="scheduling mode to run (repeatable; default both: the CPU "
-                             "engine turns async off, so there its boot only confirms that)")
-    parser.add_argument("--report", type=Path, metavar="DIR",
-                        help="where the JSON and Markdown go (default docs/validation)")
-    parser.add_argument("--no-record", action="store_true", help="print only")
-    parser.set_defaults(run=run_serve)
-
-
-def run_serve(options: GlobalOptions, args: argparse.Namespace) -> int:
+def run_serve(options: GlobalOptions, probe: ServeOptions) -> int:
     project = options.project
     series = project.load()
     started = time.monotonic()
-    if args.tp not in TP_SIZES:
-        raise E2Error(f"--tp {args.tp}: the tiny model's heads split over "
+    if probe.tp not in TP_SIZES:
+        raise E2Error(f"--tp {probe.tp}: the tiny model's heads split over "
                       + ", ".join(map(str, TP_SIZES)) + " GPUs only")
-    if not args.docker and (args.stock_image or args.e2_image or args.gpus):
+    if not probe.docker and (probe.stock_image or probe.e2_image or probe.gpus):
         raise E2Error("--stock-image, --e2-image and --gpus go with --docker")
     logs = project.state_dir / "logs" / "serve"
     runner: Runner
-    if args.docker:
-        runner, model, name = _docker_runner(args, project, series, logs)
+    if probe.docker:
+        runner, model, name = _docker_runner(probe, project, series, logs)
     else:
-        runner, model, name = _local_runner(args, options.cache, project, series, logs)
+        runner, model, name = _local_runner(probe, options.cache, project, series, logs)
     plan: dict[str, int] = {}
-    modes = tuple(m for m in MODES if m in (args.modes or MODES))
+    modes = tuple(m for m in MODES if m in (probe.modes or MODES))
     sides = {side: run_side(runner, side, plan, modes) for side in SIDES}
     record = {"format": FORMAT, "header": header(project, series, runner, model,
                                                 sides["stock"].get("device"), modes,
                                                 time.monotonic() - started),
               "sides": sides}
-    report = None if args.no_record else (args.report or project.root / "docs" / "validation")
+    report = None if probe.no_record else (probe.report or project.root / "docs" / "validation")
     return conclude(record, report, name)
 
 
-def _local_runner(args: argparse.Namespace, cache: Cache, project: Project, series: Series,
+def _local_runner(probe: ServeOptions, cache: Cache, project: Project, series: Series,
                   logs: Path) -> tuple[LocalRunner, str, str]:
-    from e2.testenv import prepare
-
-    if args.tp != 1:
+    if probe.tp != 1:
         raise E2Error("--tp above 1 needs --docker (the local CPU engine runs one worker)")
     env, view = prepare(project, series, cache, "cpu", overlay=True)
     assert view is not None
     model = ensure_model(env.python, cache)
     run_env = {"stock": env.run_env(None), "e2": env.run_env(view.path)}
-    runner = LocalRunner(env.python, view.path, run_env, model, logs, 1, args.kv_cache_bytes)
+    runner = LocalRunner(env.python, view.path, run_env, model, logs, 1, probe.kv_cache_bytes)
     return runner, str(model), "serve-cpu"
 
 
-def _docker_runner(args: argparse.Namespace, project: Project, series: Series,
+def _docker_runner(probe: ServeOptions, project: Project, series: Series,
                    logs: Path) -> tuple[DockerRunner, str, str]:
-    from e2.dockerhost import connect
-    from e2.image import engine_images
-
     client = connect()  # first: an unreachable DOCKER_HOST fails before anything else
-    images = engine_images(project, series, args.stock_image, args.e2_image)
-    runner = DockerRunner(client, images, args.gpus, args.tp, logs, kv_bytes=args.kv_cache_bytes)
+    images = engine_images(project, series, probe.stock_image, probe.e2_image)
+    runner = DockerRunner(client, images, probe.gpus, probe.tp, logs, kv_bytes=probe.kv_cache_bytes)
     volume = runner.ensure_model()
-    return runner, f"docker volume {volume}", "serve-gpu" if args.gpus else "serve-docker"
+    return runner, f"docker volume {volume}", "serve-gpu" if probe.gpus else "serve-docker"

@@ -1,0 +1,141 @@
+"""e2 rebase: move the series onto a new upstream release, resumably (see e2.rebase)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from e2 import console
+from e2.errors import E2Error
+from e2.options import GlobalOptions, RebaseOptions
+from e2.rebase import resolve_target
+from e2.rebase_report import write as write_report
+from e2.rebase_result import finish
+from e2.rebase_resume import continue_rebase, skip
+from e2.rebase_state import VERDICTS, Rebase, RebaseState
+from e2.rebase_steps import apply_remaining, start
+from e2.verify import Check, verify
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "rebase", help="move the series onto a new upstream release, with a conflict report",
+        description="Forward-port every patch onto another upstream release (git am --3way, "
+                    "rerere on). Stops at a conflict or at a patch upstream already has; "
+                    "resume with --continue, --skip or --abort. Writes "
+                    "docs/rebases/<from>-to-<to>.md and .json at the end.")
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--onto", metavar="VERSION", help="release to move to (0.32.0 or v0.32.0)")
+    action.add_argument("--continue", dest="resume", action="store_true",
+                        help="go on after resolving and staging a conflict")
+    action.add_argument("--skip", action="store_true", help="drop the patch the rebase stopped at")
+    action.add_argument("--abort", action="store_true",
+                        help="put series.yaml, patches/, overlay/ and Dockerfile back as before")
+    parser.add_argument("--drop-obsolete", action="store_true",
+                        help="drop patches that upstream already has without stopping")
+    parser.add_argument("--verdict", choices=VERDICTS,
+                        help="with --continue: the verdict for every conflicted hunk")
+    parser.add_argument("--reason", help="with --continue or --skip: why")
+    parser.add_argument("--validate", action="store_true",
+                        help="run the seam tests and the upstream delta at the end")
+    parser.add_argument("--validate-suite", action="append", metavar="PATH",
+                        help="with --validate: the upstream suites to run (repeatable; "
+                             "default: e2 test upstream's)")
+    parser.set_defaults(run=run, options=RebaseOptions)
+
+
+def run(options: GlobalOptions, request: RebaseOptions) -> int:
+    rebase = Rebase(options.project, options.upstream)
+    with options.project.changing():
+        return _run_locked(options, request, rebase)
+
+
+def _run_locked(options: GlobalOptions, request: RebaseOptions, rebase: Rebase) -> int:
+    if request.validate_suite and not request.validate:
+        raise E2Error("--validate-suite needs --validate")
+    if request.abort:
+        if not rebase.in_progress():
+            rebase.load()  # raises "no rebase in progress"
+        rebase.abort()
+        console.out.print("rebase aborted: series.yaml, patches/, overlay/ and Dockerfile "
+                          "are as before", markup=False)
+        return 0
+    if request.onto is not None:
+        series = options.project.load()
+        target = resolve_target(request.onto, series.upstream, options.upstream)
+        state = start(rebase, series, target, request.drop_obsolete)
+    else:
+        state = rebase.load()
+        series = rebase.backup_series()
+        if request.skip:
+            skip(rebase, state, request.reason)
+        else:
+            continue_rebase(rebase, state, request.verdict, request.reason)
+    if state.phase != "finishing" and not apply_remaining(rebase, state, series):
+        _print_stop(rebase, state)
+        return 1
+    new_series = finish(rebase, state, series)
+    checks = verify(options.project, new_series, options.upstream)
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        raise E2Error("the rebased series does not verify:\n  " + "\n  ".join(
+            f"{c.name}: {p}" for c in failed for p in c.problems),
+            hint="fix it in .e2/rebase/work and run e2 rebase --continue, or e2 rebase --abort")
+    if request.validate:
+        checks += validation_checks(options, request)
+    report = write_report(rebase, state, series, new_series, checks)
+    rebase.done()
+    _print_summary(state, report)
+    return 0
+
+
+def validation_checks(options: GlobalOptions, request: RebaseOptions) -> list[Check]:
+    """The seam tests and the upstream delta, as report lines (--validate)."""
+    checks = []
+    suites = [arg for suite in request.validate_suite or () for arg in ("--suite", suite)]
+    for verb in (["test", "seam"], ["test", "upstream", *suites]):
+        command = [sys.executable, "-m", "e2.cli", "--project", str(options.project.root),
+                   *global_arguments(options), *verb]
+        result = subprocess.run(command, capture_output=True, text=True)
+        check = Check("e2 " + " ".join(verb[:2]))
+        if result.returncode != 0:
+            check.problems.append((result.stdout + result.stderr).strip()[-2000:])
+        checks.append(check)
+    return checks
+
+
+def global_arguments(options: GlobalOptions) -> list[str]:
+    """The global options as given to this rebase: the e2 commands it starts
+    must use the same cache, upstream source and local tree."""
+    arguments = ["--cache", str(options.cache.root), "--source", options.upstream.source]
+    if options.upstream.local is not None:
+        arguments += ["--upstream", str(options.upstream.local)]
+    return arguments
+
+
+def _print_stop(rebase: Rebase, state: RebaseState) -> None:
+    current = state.current()
+    assert current is not None
+    if state.phase == "obsolete":
+        console.out.print(f"{current.id} {current.title}: already in {state.target['tag']} "
+                          "(applies in reverse)", markup=False)
+        console.out.print("  drop it: e2 rebase --skip   keep it: e2 rebase --continue   "
+                          "give up: e2 rebase --abort", markup=False)
+        return
+    console.out.print(f"conflict in {current.id} {current.title} "
+                      f"(worktree {rebase.work}):", markup=False)
+    for conflict in current.conflicts:
+        console.out.print(f"  {conflict.file}: {len(conflict.hunks)} hunk(s) at line(s) "
+                          + ", ".join(str(h["line"]) for h in conflict.hunks), markup=False)
+    console.out.print(f"  resolve the files in {rebase.work}, git add them, then\n"
+                      "  e2 rebase --continue [--verdict V --reason R]   (or --skip, --abort)",
+                      markup=False)
+
+
+def _print_summary(state: RebaseState, report: Path) -> None:
+    for patch in state.patches:
+        extra = f" ({patch.reason})" if patch.reason else ""
+        console.out.print(f"{patch.status:9} {patch.id} {patch.title}{extra}", markup=False)
+    console.out.print(f"rebased onto {state.target['tag']}; report {report}", markup=False)
