@@ -428,10 +428,9 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
         # free may hand back, without walking the freed blocks again.
         self.newly_idle: set[int] = set()
 
-    def _count(self, block: KVCacheBlock, delta: int) -> None:
-        page = block.block_id // self.blocks_per_page
+    def _move_page(self, page: int, change: int) -> None:
         before = self.free_in_page[page]
-        after = before + delta
+        after = before + change
         self.free_in_page[page] = after
         if before:
             self.pages_with_free[before].discard(page)
@@ -439,6 +438,9 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
             self.pages_with_free[after].add(page)
             if after == self.blocks_per_page:
                 self.newly_idle.add(page)
+
+    def _count(self, block: KVCacheBlock, delta: int) -> None:
+        self._move_page(block.block_id // self.blocks_per_page, delta)
 
     def popleft(self) -> KVCacheBlock:
         block = super().popleft()
@@ -452,18 +454,8 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
         for block in blocks:
             page = block.block_id // k
             per_page[page] = per_page.get(page, 0) + delta
-        free_in_page = self.free_in_page
-        by_free = self.pages_with_free
         for page, change in per_page.items():
-            before = free_in_page[page]
-            after = before + change
-            free_in_page[page] = after
-            if before:
-                by_free[before].discard(page)
-            if after:
-                by_free[after].add(page)
-                if after == k:
-                    self.newly_idle.add(page)
+            self._move_page(page, change)
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         blocks = super().popleft_n(n)
@@ -581,8 +573,7 @@ class SlabPool(BlockPool):
             fewest = 1
             while not by_free[fewest]:
                 fewest += 1
-            first = next(iter(by_free[fewest])) * k
-            for block in self.blocks[first : first + k]:
+            for block in self._page_of(next(iter(by_free[fewest]))):
                 if block.prev_free_block is not None:
                     queue.remove(block)
                     picked.append(block)
@@ -624,7 +615,7 @@ class SlabPool(BlockPool):
         queue = self.free_block_queue
         k = self.blocks_per_page
         pages = 0
-        available = queue.num_free_blocks - len(queue.idle_pages) * k
+        available = self.num_free_blocks_in_busy_pages
         if touched:
             per_page: dict[int, int] = {}
             for block in touched:
