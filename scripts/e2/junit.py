@@ -13,8 +13,10 @@ MESSAGE_CHARS = 600                     # of a failure message kept for the repo
 # vLLM's engine start-up failures ("Engine core initialization failed. See root cause
 # above.") carry their cause only in the engine's and workers' log, which pytest captures:
 # the first exception line logged there (a log line's "(Worker pid=N) ERROR ... ]" prefix
-# dropped) is what the classifier needs to read.
-ROOT_CAUSE_HINT = re.compile(r"root cause")
+# dropped) is what the classifier needs to read. Upstream's RemoteOpenAIServer says only
+# "Server exited unexpectedly." when `vllm serve` dies; the server's log, captured the
+# same way, holds the cause.
+ROOT_CAUSE_HINT = re.compile(r"root cause|Server exited unexpectedly")
 LOGGED_EXCEPTION = re.compile(r"^(?:\(\S+ pid=\d+\) ERROR [^\]]*\] )?((?:\w+\.)*\w*(?:Error|Exception)"
                               r": \S.*)$", re.MULTILINE)
 

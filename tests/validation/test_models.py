@@ -83,6 +83,22 @@ def test_bad_model_file_is_named(tmp_path, monkeypatch):
     assert not any(cache.hub_stores.glob(f"*/{models.DONE}"))
 
 
+@pytest.mark.parametrize("spec, message", [
+    ("dtype: bfloat16\nseed: 0\nextra: {mtp.fc.weight: [1024, 0]}\n",
+     "extra maps a parameter name to its shape"),
+    ("dtype: bfloat16\nseed: 0\nshaped_like: {mtp.layers.0.: 3}\n",
+     "shaped_like maps a new prefix to an existing one"),
+    ("dtype: bfloat16\nseed: 0\nextras: {}\n", "unknown keys ['extras']"),
+])
+def test_bad_weights_spec_is_named(tmp_path, spec, message):
+    (tmp_path / "weights.yaml").write_text(spec)
+    result = subprocess.run([sys.executable, str(models.WEIGHTS_MAKER), str(tmp_path / "weights.yaml"),
+                             str(tmp_path), str(tmp_path / "out")], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(f"{tmp_path / 'weights.yaml'}: ")
+    assert message in result.stderr and not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_ids_file_is_a_fresh_scan_of_the_pinned_release(upstream_cache):
     """hub/ids.yaml is what the scan finds today, and every model it names has a folder."""
@@ -122,7 +138,8 @@ for model_id in json.loads(sys.argv[1]):
             names = list(weights.keys())
             embed = weights.get_slice(next(n for n in names if n.endswith("embed_tokens.weight")))
             entry["weights"] = {"tensors": len(names), "embed": list(embed.get_shape()),
-                                "dtype": embed.get_dtype()}
+                                "dtype": embed.get_dtype(),
+                                "mtp": sum(n.startswith("mtp.") for n in names)}
     out[model_id] = entry
 print(json.dumps(out))
 '''
@@ -165,6 +182,8 @@ def test_vllm_loads_every_stored_model_offline(cpu_env, tmp_path):
             width = text.get("word_embed_proj_dim", text["hidden_size"])
             assert entry["weights"]["embed"] == [text["vocab_size"], width], model_id
             assert entry["weights"]["dtype"] == dtype and entry["weights"]["tensors"] > 4
+            # Qwen3.5's MTP head: layer 3's 11 tensors under mtp.layers.0, fc and 3 norms
+            assert entry["weights"]["mtp"] == (15 if model_id == "Qwen/Qwen3.5-0.8B" else 0)
     snapshot = store / "models--facebook--opt-125m"
     commit = (snapshot / "refs" / "main").read_text()
     assert (snapshot / "snapshots" / commit / "config.json").is_file()
@@ -172,5 +191,5 @@ def test_vllm_loads_every_stored_model_offline(cpu_env, tmp_path):
     assert sorted(p.parent.parent.parent.name for p in store.rglob("*.safetensors")) == sorted(
         "models--" + i.replace("/", "--") for i in with_weights)
     assert set(with_weights) == {"facebook/opt-125m", "hmellor/tiny-random-LlamaForCausalLM",
-                                 "Qwen/Qwen3-0.6B"}
+                                 "Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-0.8B"}
     assert not list(store.rglob("*.bin"))

