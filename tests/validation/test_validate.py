@@ -8,8 +8,10 @@ import pytest
 
 from e2 import testenv
 from e2.classify import classify, counts, explain
+from e2.errors import E2Error
 from e2.junit import parse_junit
-from e2.validate import KV_CACHE_SPACE_GIB, Sides
+from e2.series import Project
+from e2.validate import KV_CACHE_SPACE_GIB, Sides, logs_held
 from validation_helpers import add_patch, cpu_env, real_project, results  # noqa: F401
 
 ENVS = "vllm/envs.py"
@@ -288,3 +290,17 @@ def test_both_sides_get_a_fixed_cpu_kv_cache_space(tmp_path):
     assert stock["VLLM_CPU_KVCACHE_SPACE"] == e2["VLLM_CPU_KVCACHE_SPACE"] == KV_CACHE_SPACE_GIB
     assert int(KV_CACHE_SPACE_GIB) >= 1  # 0 GiB would leave an engine no KV cache
     assert Path(stock["HF_HUB_CACHE"]) == tmp_path / "hub"
+
+
+def test_one_run_at_a_time_writes_a_checkouts_logs(tmp_path):
+    """A second seam or upstream run in the same checkout is refused, not interleaved."""
+    project = Project(tmp_path)
+    with logs_held(project, "upstream") as logs:
+        assert logs == tmp_path / ".e2" / "logs" / "upstream"
+        with pytest.raises(E2Error, match="another `e2 test upstream` is running"), \
+                logs_held(project, "upstream"):
+            pass
+        with logs_held(project, "seam"):  # the other kind has its own files
+            pass
+    with logs_held(project, "upstream"):  # released when the first run ends
+        pass
