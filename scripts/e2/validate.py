@@ -250,7 +250,7 @@ def run_seam(options: GlobalOptions, request: SeamOptions) -> int:
     patches = [series.by_id(i) for i in request.patch] if request.patch else list(series.patches)
     if not patches:
         raise E2Error("series.yaml has no patches to test")
-    started = time.monotonic()
+    started, digest = time.monotonic(), series_digest(series, project.patches_dir)
     with logs_held(project, "seam") as logs, ScratchTree(
             project, series, options.upstream, sparse=False, prefix="validate-") as applied:
         sides = prepare_sides(options, request.target, request.timeout, series, applied.path, logs)
@@ -258,7 +258,7 @@ def run_seam(options: GlobalOptions, request: SeamOptions) -> int:
         runs = sides.run_many([job for patch in patches for job in seam_jobs(patch)],
                               "seam tests", workers=request.jobs)
         results = [seam_patch(patch, runs[3 * i:3 * i + 3]) for i, patch in enumerate(patches)]
-    header = _header(project, series, sides.env, time.monotonic() - started)
+    header = _header(digest, series, sides.env, time.monotonic() - started)
     table = Table("patch", "switch", "E2", "control", "stock", "verdict", title="seam tests")
     for patch in results:
         cells = [f"[{'green' if c.ok else 'red'}]{c.run.summary()}[/]" for c in patch.checks]
@@ -339,7 +339,7 @@ def run_upstream(options: GlobalOptions, request: UpstreamSuitesOptions) -> int:
     series = project.load()
     suites = list(request.suite or (CI_SUITES if request.ci else DEFAULT_SUITES))
     variants = e2_variants(series, request.also_switches_off)
-    started = time.monotonic()
+    started, digest = time.monotonic(), series_digest(series, project.patches_dir)
     with logs_held(project, "upstream") as logs, ScratchTree(
             project, series, options.upstream, sparse=False, prefix="validate-") as applied:
         tree = applied.path
@@ -362,7 +362,7 @@ def run_upstream(options: GlobalOptions, request: UpstreamSuitesOptions) -> int:
                          "to look for flaky ones")
         elif again:
             stock_again = sides.run("stock", again, "upstream stock again")
-    header = _header(project, series, sides.env, time.monotonic() - started)
+    header = _header(digest, series, sides.env, time.monotonic() - started)
     regressions = 0
     for (name, switches), e2 in zip(variants.items(), e2_runs):
         runs = {"stock": stock, "e2": e2, **({"stock again": stock_again} if stock_again else {})}
@@ -404,11 +404,13 @@ def report_upstream(report: Path | None, project: Project, name: str, header: di
 # ---------------------------------------------------------------- results
 
 
-def _header(project: Project, series: Series, env: TestEnv, seconds: float) -> dict:
+def _header(digest: str, series: Series, env: TestEnv, seconds: float) -> dict:
+    """What a report says ran; ``digest`` is taken when the run applies the series, so
+    a patch exported while it runs does not relabel it."""
     recorded = env.recorded() or {}
     return {"format": 1, "upstream_version": series.upstream.version,
             "upstream_tag": series.upstream.tag,
-            "series_digest": series_digest(series, project.patches_dir),
+            "series_digest": digest,
             "target": env.target, "installed": recorded.get("installed", {}),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(seconds, 1)}
