@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from e2 import console
@@ -89,15 +91,46 @@ def _body(prompt: list[int] | list[list[int]], max_tokens: int) -> dict:
             "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
 
+# How often the concurrent case reads the engine's running-requests gauge.
+RUNNING_POLL_S = 0.05
+
+
+@contextlib.contextmanager
+def peak_running(engine: Engine) -> Iterator[list[int | None]]:
+    """The most requests the engine ran at once while the block ran, read from
+    ``vllm:num_requests_running`` as often as /metrics answers (at most every
+    RUNNING_POLL_S): ``peak[0]`` once the block is done. A reading can miss a
+    step, so the figure is a lower bound on the true peak."""
+    peak: list[int | None] = [0]
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            with contextlib.suppress(Exception):  # an answer lost mid-run is a missed sample
+                running = int(metrics(engine).get("vllm:num_requests_running", 0))
+                peak[0] = max(peak[0] or 0, running)
+            done.wait(RUNNING_POLL_S)
+
+    poller = threading.Thread(target=poll, name="peak-running", daemon=True)
+    poller.start()
+    try:
+        yield peak
+    finally:
+        done.set()
+        poller.join()
+
+
 def run_case(engine: Engine, case: Case) -> dict:
     before = metrics(engine)
     started = time.monotonic()
+    peak: list[int | None] = [None]
     if case.concurrent:
         # Concurrent requests, held at a paused engine until all are queued: otherwise
         # they land in the engine's steps by timing, the schedule (and with it the
         # preemptions) differs from run to run, and bf16 numerics follow the batch.
-        answers = engine.post_all([_body(p, case.max_tokens) for p in case.prompts],
-                                  hold=HOLD_S)
+        with peak_running(engine) as peak:
+            answers = engine.post_all([_body(p, case.max_tokens) for p in case.prompts],
+                                      hold=HOLD_S)
         pairs = [(a, (a.get("choices") or [{}])[0]) for a in answers]
     else:
         pairs = []
@@ -120,7 +153,8 @@ def run_case(engine: Engine, case: Case) -> dict:
     return {"case": case.name, "seconds": seconds, "requests": requests,
             "prefix_cache_hits": delta("vllm:prefix_cache_hits_total"),
             "prefix_cache_queries": delta("vllm:prefix_cache_queries_total"),
-            "preemptions": delta("vllm:num_preemptions_total")}
+            "preemptions": delta("vllm:num_preemptions_total"),
+            "peak_running": peak[0]}
 
 
 def run_side(runner: Runner, side: str, plan: dict[str, int],

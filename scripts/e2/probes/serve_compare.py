@@ -114,6 +114,8 @@ def _compare_case(mode: str, name: str, s_case: dict, e_case: dict, kv: dict) ->
             # Stock must preempt and resume; E2, which admits with the room its
             # requests will take, must not preempt more often.
             exercised[side] = f"{case['preemptions']} preemptions"
+            if case.get("peak_running") is not None:
+                exercised[side] += f", at most {case['peak_running']} running at once"
             if side == "stock" and case["preemptions"] <= 0:
                 problems.append("stock: no preemption (vllm:num_preemptions)")
             if side == "e2" and case["preemptions"] > s_case["preemptions"]:

@@ -207,7 +207,7 @@ def log_slab_capacity(
     if k == 1:
         return
     usable = kv_cache_config.num_blocks - 1  # page 0 is the null page
-    state_pages = 0
+    held_pages, peak_pages = request_state_pages(vllm_config, kv_cache_config)
     attention_tokens = 0
     page_bytes = 0
     for group in kv_cache_config.kv_cache_groups:
@@ -217,11 +217,10 @@ def log_slab_capacity(
         )
         if group.blocks_per_page > 1:
             attention_tokens = usable * group.blocks_per_page * spec.block_size
-        else:
-            state_pages += cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
+    peak = f" ({peak_pages} while it crosses an align boundary)" if peak_pages > held_pages else ""
     logger.info_once(
         "vLLM E2 state pool: %s pages of %.2f MiB; attention up to %s tokens "
-        "(%d-token blocks, %d per page); request state %d pages, up to %s "
+        "(%d-token blocks, %d per page); request state %d pages%s, at most %s "
         "requests; maximum concurrency for %s tokens per request: %.2fx "
         "(state and attention counted)",
         f"{usable:,}",
@@ -229,11 +228,28 @@ def log_slab_capacity(
         f"{attention_tokens:,}",
         attention_tokens // (usable * k),
         k,
-        state_pages,
-        f"{usable // max(state_pages, 1):,}",
+        held_pages,
+        peak,
+        f"{usable // max(held_pages, 1):,}",
         f"{vllm_config.model_config.max_model_len:,}",
         max_concurrency,
     )
+
+
+def request_state_pages(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[int, int]:
+    """Pool pages one request's states take: while it runs (one per state
+    group, and its speculative ones), and at most (`align` mode's boundary
+    step holds one more per group for a step, which upstream's
+    max_memory_usage_bytes counts)."""
+    held = peak = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            held += 1 + spec.num_speculative_blocks
+            peak += cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
+    return held, peak
 
 
 def slab_blocks_per_page(kv_cache_config: KVCacheConfig) -> int:
