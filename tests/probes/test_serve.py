@@ -71,6 +71,7 @@ def test_cpu_probe_stock_and_e2_match_on_every_case(probe_run):
         assert demand > engine["kv_capacity_tokens"]
         # the running gauge, sampled through the case: some ran, never all at once
         assert 1 <= over["peak_running"] < len(over["requests"])
+        assert 1 <= over["mean_running"] <= over["peak_running"]
         preemptions[side] = over["preemptions"]
         for case in cases.values():
             assert all(serve_compare.complete(r, case["max_tokens"]) for r in case["requests"])

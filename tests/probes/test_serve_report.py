@@ -49,3 +49,13 @@ def test_the_failing_record_reports_its_problems():
     text = markdown(record, rows)
     assert "**5 problems**" in text and "| FAIL |" in text
     assert "- sync oversubscribed: request 3: token ids differ from position 7" in text
+
+
+def test_running_samples_peak_and_mean_over_busy_readings():
+    """The oversubscribed case's running figures: the mean leaves out idle readings
+    (the engine paused while the requests queue, or done before the sampler stops)."""
+    from e2.probes.serve_cases import RunningSamples
+
+    samples = RunningSamples([0, 0, 5, 5, 4, 2, 0])
+    assert (samples.peak, samples.mean) == (5, 4.0)
+    assert (RunningSamples([]).peak, RunningSamples([0]).mean) == (0, 0.0)

@@ -95,26 +95,41 @@ def _body(prompt: list[int] | list[list[int]], max_tokens: int) -> dict:
 RUNNING_POLL_S = 0.05
 
 
+@dataclass
+class RunningSamples:
+    """``vllm:num_requests_running`` read through a case: its peak, and its mean
+    over the readings taken while any request ran (a stock engine that preempts
+    runs more at its peak than it keeps up). Readings can miss steps: both are
+    estimates."""
+
+    values: list[int]
+
+    @property
+    def peak(self) -> int:
+        return max(self.values, default=0)
+
+    @property
+    def mean(self) -> float:
+        busy = [v for v in self.values if v]
+        return round(sum(busy) / len(busy), 2) if busy else 0.0
+
+
 @contextlib.contextmanager
-def peak_running(engine: Engine) -> Iterator[list[int | None]]:
-    """The most requests the engine ran at once while the block ran, read from
-    ``vllm:num_requests_running`` as often as /metrics answers (at most every
-    RUNNING_POLL_S): ``peak[0]`` once the block is done. A reading can miss a
-    step, so the figure is a lower bound on the true peak."""
-    peak: list[int | None] = [0]
-    done = threading.Event()
+def running_samples(engine: Engine) -> Iterator[RunningSamples]:
+    """Samples of the running gauge while the block runs, as often as /metrics
+    answers (at most every RUNNING_POLL_S); complete once the block is done."""
+    samples, done = RunningSamples([]), threading.Event()
 
     def poll() -> None:
         while not done.is_set():
             with contextlib.suppress(Exception):  # an answer lost mid-run is a missed sample
-                running = int(metrics(engine).get("vllm:num_requests_running", 0))
-                peak[0] = max(peak[0] or 0, running)
+                samples.values.append(int(metrics(engine).get("vllm:num_requests_running", 0)))
             done.wait(RUNNING_POLL_S)
 
-    poller = threading.Thread(target=poll, name="peak-running", daemon=True)
+    poller = threading.Thread(target=poll, name="running-samples", daemon=True)
     poller.start()
     try:
-        yield peak
+        yield samples
     finally:
         done.set()
         poller.join()
@@ -123,12 +138,12 @@ def peak_running(engine: Engine) -> Iterator[list[int | None]]:
 def run_case(engine: Engine, case: Case) -> dict:
     before = metrics(engine)
     started = time.monotonic()
-    peak: list[int | None] = [None]
+    running: RunningSamples | None = None
     if case.concurrent:
         # Concurrent requests, held at a paused engine until all are queued: otherwise
         # they land in the engine's steps by timing, the schedule (and with it the
         # preemptions) differs from run to run, and bf16 numerics follow the batch.
-        with peak_running(engine) as peak:
+        with running_samples(engine) as running:
             answers = engine.post_all([_body(p, case.max_tokens) for p in case.prompts],
                                       hold=HOLD_S)
         pairs = [(a, (a.get("choices") or [{}])[0]) for a in answers]
@@ -154,7 +169,8 @@ def run_case(engine: Engine, case: Case) -> dict:
             "prefix_cache_hits": delta("vllm:prefix_cache_hits_total"),
             "prefix_cache_queries": delta("vllm:prefix_cache_queries_total"),
             "preemptions": delta("vllm:num_preemptions_total"),
-            "peak_running": peak[0]}
+            "peak_running": running.peak if running else None,
+            "mean_running": running.mean if running else None}
 
 
 def run_side(runner: Runner, side: str, plan: dict[str, int],

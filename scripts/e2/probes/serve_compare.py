@@ -115,7 +115,8 @@ def _compare_case(mode: str, name: str, s_case: dict, e_case: dict, kv: dict) ->
             # requests will take, must not preempt more often.
             exercised[side] = f"{case['preemptions']} preemptions"
             if case.get("peak_running") is not None:
-                exercised[side] += f", at most {case['peak_running']} running at once"
+                exercised[side] += (f", {case['mean_running']} running on average, "
+                                    f"{case['peak_running']} at most")
             if side == "stock" and case["preemptions"] <= 0:
                 problems.append("stock: no preemption (vllm:num_preemptions)")
             if side == "e2" and case["preemptions"] > s_case["preemptions"]:
