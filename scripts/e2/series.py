@@ -160,6 +160,21 @@ class Series(_Strict):
                       hint="ids: " + ", ".join(p.id for p in self.patches))
 
 
+@contextlib.contextmanager
+def _held_alone(lock_file: Path, busy: str, hint: str) -> Iterator[None]:
+    """Hold ``lock_file`` for the block; when another process holds it, refuse at
+    once with ``busy`` rather than wait."""
+    lock = FileLock(str(lock_file), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise E2Error(busy, hint=hint) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 @dataclass(frozen=True)
 class Project:
     """Where a series lives on disk, and the paths derived from it."""
@@ -195,17 +210,24 @@ class Project:
         """Held by every command that rewrites the checkout or its worktree
         (apply, export, overlay, rebase): one at a time, the second is refused."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(self.state_dir / "lock"), timeout=0)
-        try:
-            lock.acquire()
-        except Timeout:
-            raise E2Error("another e2 command (apply, export, overlay or rebase) is changing "
-                          f"this checkout ({self.root})",
-                          hint="wait for it to finish, then run this again") from None
-        try:
+        with _held_alone(self.state_dir / "lock",
+                         "another e2 command (apply, export, overlay or rebase) is changing "
+                         f"this checkout ({self.root})",
+                         "wait for it to finish, then run this again"):
             yield
-        finally:
-            lock.release()
+
+    @contextlib.contextmanager
+    def test_logs(self, kind: str) -> Iterator[Path]:
+        """``.e2/logs/<kind>`` (seam, upstream): pytest's logs and JUnit files, held
+        by one ``e2 test`` run at a time, since a second would rewrite the files the
+        first still reads."""
+        logs = self.state_dir / "logs" / kind
+        logs.parent.mkdir(parents=True, exist_ok=True)
+        lock = logs.with_suffix(".lock")
+        with _held_alone(lock, f"another `e2 test {kind}` is running in this checkout "
+                               f"(it holds {lock})",
+                         "wait for it to end, or run from another checkout"):
+            yield logs
 
     def load(self) -> Series:
         return load_series(self.series_file)

@@ -25,13 +25,10 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from filelock import FileLock, Timeout
 from rich.table import Table
 
 from e2 import console, reports
@@ -158,25 +155,6 @@ class Sides:
         return result
 
 
-@contextmanager
-def logs_held(project: Project, kind: str) -> Iterator[Path]:
-    """The checkout's pytest logs and JUnit files for ``kind`` (seam, upstream), held
-    for one run: a second run at once would rewrite the files the first still reads."""
-    logs = project.state_dir / "logs" / kind
-    logs.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(logs.with_suffix(".lock")))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise E2Error(f"another `e2 test {kind}` is running in this checkout (it holds "
-                      f"{logs.with_suffix('.lock')})",
-                      hint="wait for it to end, or run from another checkout") from None
-    try:
-        yield logs
-    finally:
-        lock.release()
-
-
 def prepare_sides(options: GlobalOptions, target: str, timeout: int, series: Series,
                   tree: Path, logs: Path) -> Sides:
     project = options.project
@@ -251,7 +229,7 @@ def run_seam(options: GlobalOptions, request: SeamOptions) -> int:
     if not patches:
         raise E2Error("series.yaml has no patches to test")
     started, digest = time.monotonic(), series_digest(series, project.patches_dir)
-    with logs_held(project, "seam") as logs, ScratchTree(
+    with project.test_logs("seam") as logs, ScratchTree(
             project, series, options.upstream, sparse=False, prefix="validate-") as applied:
         sides = prepare_sides(options, request.target, request.timeout, series, applied.path, logs)
         # every run is its own pytest process over the same tree, so they can overlap
@@ -340,7 +318,7 @@ def run_upstream(options: GlobalOptions, request: UpstreamSuitesOptions) -> int:
     suites = list(request.suite or (CI_SUITES if request.ci else DEFAULT_SUITES))
     variants = e2_variants(series, request.also_switches_off)
     started, digest = time.monotonic(), series_digest(series, project.patches_dir)
-    with logs_held(project, "upstream") as logs, ScratchTree(
+    with project.test_logs("upstream") as logs, ScratchTree(
             project, series, options.upstream, sparse=False, prefix="validate-") as applied:
         tree = applied.path
         missing = [s for s in suites if not (tree / s.split("::", 1)[0]).exists()]

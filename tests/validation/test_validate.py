@@ -11,7 +11,7 @@ from e2.classify import classify, counts, explain
 from e2.errors import E2Error
 from e2.junit import parse_junit
 from e2.series import Project
-from e2.validate import KV_CACHE_SPACE_GIB, Sides, logs_held
+from e2.validate import KV_CACHE_SPACE_GIB, Sides
 from validation_helpers import add_patch, cpu_env, real_project, results  # noqa: F401
 
 ENVS = "vllm/envs.py"
@@ -296,12 +296,12 @@ def test_both_sides_get_a_fixed_cpu_kv_cache_space(tmp_path):
 def test_one_run_at_a_time_writes_a_checkouts_logs(tmp_path):
     """A second seam or upstream run in the same checkout is refused, not interleaved."""
     project = Project(tmp_path)
-    with logs_held(project, "upstream") as logs:
+    with project.test_logs("upstream") as logs:
         assert logs == tmp_path / ".e2" / "logs" / "upstream"
         with pytest.raises(E2Error, match="another `e2 test upstream` is running"), \
-                logs_held(project, "upstream"):
+                project.test_logs("upstream"):
             pass
-        with logs_held(project, "seam"):  # the other kind has its own files
+        with project.test_logs("seam"):  # the other kind has its own files
             pass
-    with logs_held(project, "upstream"):  # released when the first run ends
+    with project.test_logs("upstream"):  # released when the first run ends
         pass
