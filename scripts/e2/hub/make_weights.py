@@ -65,13 +65,11 @@ def build_model(config: PretrainedConfig) -> PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def shapes(config_dir: str, spec: dict) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape: the model ``config_dir/config.json`` describes, plus
-    the spec's ``shaped_like`` copies and ``extra`` parameters."""
+def shapes(config: PretrainedConfig, spec: dict) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape: the model ``config`` describes, plus the spec's
+    ``shaped_like`` copies and ``extra`` parameters."""
     import torch
-    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(config_dir)
     with torch.device("meta"):
         model = build_model(config)
     # named_parameters lists a tied parameter once, under its first name
@@ -97,7 +95,7 @@ def write(spec_path: str, config_dir: str, out: str) -> None:
                 or 0.02)
     dtype = getattr(torch, spec["dtype"])
     tensors = {}
-    for name, shape in shapes(config_dir, spec).items():
+    for name, shape in shapes(config, spec).items():
         seed = int.from_bytes(hashlib.sha256(f"{spec['seed']}:{name}".encode()).digest()[:8],
                               "little") >> 1
         generator = torch.Generator().manual_seed(seed)
