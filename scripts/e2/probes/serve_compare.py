@@ -2,9 +2,10 @@
 
 Every request's output token ids must agree exactly, every request must be
 complete (its full ``max_tokens``), each case must have taken its path (a
-prefix-cache hit, stock's preemptions; E2 preempting no more than stock), and
-each side must be what it claims (E2's boot report on E2 only). A row with a
-problem fails the probe; async rows the engine turned off are skipped.
+prefix-cache hit, stock's preemptions; E2 preempting no more than stock and,
+in the case of short requests, running more of them at once), and each side
+must be what it claims (E2's boot report on E2 only). A row with a problem
+fails the probe; async rows the engine turned off are skipped.
 """
 
 from __future__ import annotations
@@ -110,19 +111,34 @@ def _compare_case(mode: str, name: str, s_case: dict, e_case: dict, kv: dict) ->
             exercised[side] = f"{case['prefix_cache_hits']} prefix-cache hit tokens"
             if case["prefix_cache_hits"] <= 0:
                 problems.append(f"{side}: no prefix-cache hit (vllm:prefix_cache_hits)")
-        elif expect == "preemptions":
-            # Stock must preempt and resume; E2, which admits with the room its
-            # requests will take, must not preempt more often.
+        elif expect in ("preemptions", "more_running"):
             exercised[side] = f"{case['preemptions']} preemptions"
             if case.get("peak_running") is not None:
                 exercised[side] += (f", {case['mean_running']} running on average, "
                                     f"{case['peak_running']} at most")
-            if side == "stock" and case["preemptions"] <= 0:
-                problems.append("stock: no preemption (vllm:num_preemptions)")
-            if side == "e2" and case["preemptions"] > s_case["preemptions"]:
-                problems.append(f"e2 preempted {case['preemptions']} times, stock "
-                                f"{s_case['preemptions']}")
+            problems += _concurrency_problems(expect, side, case, s_case)
     return Row(mode, name, n, done, tokens, matched, exercised, kv, None, problems)
+
+
+def _concurrency_problems(expect: str, side: str, case: dict, s_case: dict) -> list[str]:
+    """A concurrent case's path: stock preempts and resumes (``preemptions``);
+    E2, which admits with the room its requests will take, never preempts more
+    than stock; and where the case is built for it (``more_running``), E2 runs
+    more requests at once than stock, at its peak and on average."""
+    problems = []
+    if expect == "preemptions" and side == "stock" and case["preemptions"] <= 0:
+        problems.append("stock: no preemption (vllm:num_preemptions)")
+    if side != "e2":
+        return problems
+    if case["preemptions"] > s_case["preemptions"]:
+        problems.append(f"e2 preempted {case['preemptions']} times, stock "
+                        f"{s_case['preemptions']}")
+    if expect == "more_running":
+        for what, key in (("at most", "peak_running"), ("on average", "mean_running")):
+            if (case.get(key) or 0) <= (s_case.get(key) or 0):
+                problems.append(f"e2 ran {case.get(key)} requests {what}, stock "
+                                f"{s_case.get(key)}: no more at once")
+    return problems
 
 
 def _first_difference(a: list, b: list) -> int:

@@ -523,7 +523,8 @@ class KVCacheManager:
             if self.coordinator.slab_pool is not None:
                 # vLLM E2: keep room for the decode ahead (state_pool.py).
                 full_num_tokens = min(
-                    full_num_tokens + decode_headroom(request), self.max_model_len
+                    full_num_tokens + decode_headroom(request) + num_lookahead_tokens,
+                    self.max_model_len,
                 )
 
             num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(

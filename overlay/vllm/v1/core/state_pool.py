@@ -270,8 +270,13 @@ DECODE_HEADROOM_TOKENS = 128
 
 
 def decode_headroom(request: Request) -> int:
-    """Decode tokens still ahead of ``request``, up to DECODE_HEADROOM_TOKENS."""
-    return max(0, min(request.max_tokens - request.num_output_tokens, DECODE_HEADROOM_TOKENS))
+    """Cache slots ``request`` may still take beyond its ``num_tokens``, up to
+    DECODE_HEADROOM_TOKENS: one per output token still to come except the
+    last, which is sampled and never fed (a request of P prompt tokens and
+    ``max_tokens`` M ends holding P + M - 1)."""
+    return max(
+        0, min(request.max_tokens - request.num_output_tokens - 1, DECODE_HEADROOM_TOKENS)
+    )
 
 
 def align_boundary_pages(coordinator: KVCacheCoordinator) -> int:
@@ -302,11 +307,15 @@ def decode_growth_blocks(coordinator: KVCacheCoordinator, request: Request) -> i
 
 
 def reserve_running_requests(
-    coordinator: KVCacheCoordinator, running: Iterable[Request], add: bool = False
+    coordinator: KVCacheCoordinator,
+    running: Iterable[Request],
+    add: bool = False,
+    lookahead_tokens: int = 0,
 ) -> None:
     """Set (or, with ``add``, raise) what admission keeps for ``running``: the
-    slab blocks of their decode headroom and their align-mode boundary states."""
-    blocks, pages = _reserve(coordinator, running)
+    slab blocks of their decode headroom (and the speculative lookahead slots
+    each step allocates past it) and their align-mode boundary states."""
+    blocks, pages = _reserve(coordinator, running, lookahead_tokens)
     if add:
         blocks += coordinator.slab_reserved_blocks
         pages += coordinator.reserved_state_pages
@@ -314,7 +323,9 @@ def reserve_running_requests(
     coordinator.reserved_state_pages = pages
 
 
-def _reserve(coordinator: KVCacheCoordinator, running: Iterable[Request]) -> tuple[int, int]:
+def _reserve(
+    coordinator: KVCacheCoordinator, running: Iterable[Request], lookahead_tokens: int = 0
+) -> tuple[int, int]:
     """Slab blocks and boundary state pages ``running`` may still take. The
     scheduler runs it over the whole batch once a step, so the groups are
     sorted out once and decode_headroom is inlined: this loop is the reserve's
@@ -328,12 +339,12 @@ def _reserve(coordinator: KVCacheCoordinator, running: Iterable[Request]) -> tup
         # calls: they were 40% of this loop.
         num_tokens = len(request._all_token_ids)
         num_output_tokens = len(request._output_token_ids)
-        headroom = request.max_tokens - num_output_tokens
+        headroom = request.max_tokens - num_output_tokens - 1
         if headroom > DECODE_HEADROOM_TOKENS:
             headroom = DECODE_HEADROOM_TOKENS
         elif headroom < 0:
             headroom = 0
-        horizon = num_tokens + headroom
+        horizon = num_tokens + headroom + lookahead_tokens
         if horizon > max_model_len:
             horizon = max_model_len
         request_id = request.request_id
@@ -364,9 +375,12 @@ def _align_block_sizes(coordinator: KVCacheCoordinator) -> list[int]:
 def _boundary_pages(
     num_tokens: int, num_output_tokens: int, headroom: int, align_blocks: list[int]
 ) -> int:
+    # A state block holds the state of up to ``size`` tokens (the manager
+    # keeps cdiv(tokens, size) blocks' worth): the state moves on only when
+    # the tokens ahead pass a multiple of ``size``.
     first_decode = num_output_tokens == 0
     return sum(
-        first_decode or num_tokens // size != (num_tokens + headroom) // size
+        first_decode or -(-num_tokens // size) != -(-(num_tokens + headroom) // size)
         for size in align_blocks
     )
 

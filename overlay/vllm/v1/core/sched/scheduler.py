@@ -1212,7 +1212,11 @@ class Scheduler(SchedulerInterface):
                 # chunk that ends inside the replayed range needs no new slots.
                 num_tokens_past_hit = max(num_new_tokens - num_replay_tokens, 0)
                 if not reserve_counted:
-                    reserve_running_requests(coordinator, self.running)
+                    reserve_running_requests(
+                        coordinator,
+                        self.running,
+                        lookahead_tokens=self.num_lookahead_tokens,
+                    )
                     reserve_counted = True
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request,
@@ -1299,7 +1303,12 @@ class Scheduler(SchedulerInterface):
                 self.deferred_waiting.discard(request)
                 self.running.append(request)
                 if coordinator.slab_pool is not None:
-                    reserve_running_requests(coordinator, [request], add=True)
+                    reserve_running_requests(
+                        coordinator,
+                        [request],
+                        add=True,
+                        lookahead_tokens=self.num_lookahead_tokens,
+                    )
                 if num_external_computed_tokens > 0:
                     # load_kv_async is False here
                     has_sync_kv_loads = True
