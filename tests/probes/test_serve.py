@@ -78,6 +78,12 @@ def test_cpu_probe_stock_and_e2_match_on_every_case(probe_run):
     # the oversubscribed case makes stock preempt; E2's admission reserves decode
     # growth, so it preempts no more than stock
     assert preemptions["stock"] > 0 and preemptions["e2"] <= preemptions["stock"]
+    # requests far shorter than stock's block: E2's natural blocks run more at once
+    short = {side: record["sides"][side]["modes"]["sync"]["cases"]["oversubscribed-short"]
+             for side in serve_settings.SIDES}
+    assert short["e2"]["peak_running"] > short["stock"]["peak_running"]
+    assert short["e2"]["mean_running"] > short["stock"]["mean_running"]
+    assert short["e2"]["preemptions"] <= short["stock"]["preemptions"]
     e2_block = record["sides"]["e2"]["modes"]["sync"]["engine"]["block_size"]
     assert e2_block < stock_block  # the CPU's natural attention block, not the aligned one
     rows = {(r["mode"], r["case"]): r for r in record["rows"]}
@@ -138,6 +144,16 @@ def test_e2_preempting_more_than_stock_fails(probe_run, tmp_path, capsys):
     e2["preemptions"] = stock["preemptions"] + 1
     code, _, err = _rejudge(record, tmp_path, capsys)
     assert code == 1 and f"e2 preempted {stock['preemptions'] + 1} times" in err
+
+
+def test_e2_running_no_more_short_requests_than_stock_fails(probe_run, tmp_path, capsys):
+    record = copy.deepcopy(probe_run["record"])
+    stock = record["sides"]["stock"]["modes"]["sync"]["cases"]["oversubscribed-short"]
+    e2 = record["sides"]["e2"]["modes"]["sync"]["cases"]["oversubscribed-short"]
+    e2["peak_running"] = stock["peak_running"]
+    code, _, err = _rejudge(record, tmp_path, capsys)
+    assert code == 1
+    assert f"e2 ran {stock['peak_running']} requests at most, stock" in err
 
 
 def test_an_e2_side_without_the_overlay_fails(probe_run, tmp_path, capsys):
