@@ -174,8 +174,14 @@ def test_cases_follow_the_block_size_and_capacity():
     assert serve_cases.edge_blocks(544) == [544, 256, 128, 64, 32, 16]
     assert [len(c.prompts[0]) for c in big[:15]] == [
         n + d for n in (256, 128, 64, 32, 16) for d in (-1, 0, 1)]
-    over = big[-1]
+    over = big[-2]
+    assert over.name == "oversubscribed"
     assert over.concurrent and len(over.prompts) * (len(over.prompts[0]) + over.max_tokens) > 4 * 3000
+    # The short case: an eighth of the block in and out, max_num_seqs of them.
+    short = big[-1]
+    assert (short.name, short.expect, short.max_tokens) == ("oversubscribed-short",
+                                                            "more_running", 32)
+    assert [len(p) for p in short.prompts] == [32] * serve_settings.MAX_NUM_SEQS
     shared = min(3 * 256, serve_settings.MAX_MODEL_LEN // 2)  # three blocks, within max-model-len
     prefix = big[15]
     assert prefix.prompts[0][:shared] == prefix.prompts[1][:shared]
