@@ -520,16 +520,20 @@ class KVCacheManager:
         if full_sequence_must_fit:
             # First check and fail if the full request sequence won't fit.
             full_num_tokens = min(request.num_tokens, self.max_model_len)
+            full_num_slots = full_num_tokens
             if self.coordinator.slab_pool is not None:
-                # vLLM E2: keep room for the decode ahead (state_pool.py).
+                # vLLM E2: keep room for the decode ahead and, as the
+                # allocation below does, the lookahead slots (state_pool.py).
                 full_num_tokens = min(
-                    full_num_tokens + decode_headroom(request) + num_lookahead_tokens,
-                    self.max_model_len,
+                    full_num_tokens + decode_headroom(request), self.max_model_len
+                )
+                full_num_slots = min(
+                    full_num_tokens + num_lookahead_tokens, self.max_model_len
                 )
 
             num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
                 request_id=request.request_id,
-                num_tokens=full_num_tokens,
+                num_tokens=full_num_slots,
                 new_computed_blocks=new_computed_block_list,
                 num_encoder_tokens=num_encoder_tokens,
                 total_computed_tokens=total_computed_tokens,
