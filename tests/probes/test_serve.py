@@ -156,6 +156,14 @@ def test_e2_running_no_more_short_requests_than_stock_fails(probe_run, tmp_path,
     assert f"e2 ran {stock['peak_running']} requests at most, stock" in err
 
 
+def test_a_running_gauge_never_read_fails_as_unmeasured(probe_run, tmp_path, capsys):
+    record = copy.deepcopy(probe_run["record"])
+    e2 = record["sides"]["e2"]["modes"]["sync"]["cases"]["oversubscribed"]
+    e2["peak_running"], e2["mean_running"] = 0, 0.0
+    code, _, err = _rejudge(record, tmp_path, capsys)
+    assert code == 1 and "e2: no reading of vllm:num_requests_running" in err
+
+
 def test_an_e2_side_without_the_overlay_fails(probe_run, tmp_path, capsys):
     record = copy.deepcopy(probe_run["record"])
     for mode in record["sides"]["e2"]["modes"].values():

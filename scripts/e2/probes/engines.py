@@ -71,7 +71,9 @@ class Engine(Protocol):
 
     def get(self, path: str) -> str: ...
 
-    def post_all(self, bodies: list[dict], hold: float = 0.0) -> list[dict]: ...
+    def post_all(self, bodies: list[dict], hold: float = 0.0, poll: float = 0.0) -> dict:
+        """serve_client.post_all's {"answers", "running"}, posted beside the engine."""
+        ...
 
     def log(self) -> str: ...
 
@@ -102,8 +104,8 @@ class LocalEngine(Engine):
     def get(self, path: str) -> str:
         return http(self.base, path, timeout=60)
 
-    def post_all(self, bodies: list[dict], hold: float = 0.0) -> list[dict]:
-        return post_all(self.base, bodies, REQUEST_TIMEOUT, hold)
+    def post_all(self, bodies: list[dict], hold: float = 0.0, poll: float = 0.0) -> dict:
+        return post_all(self.base, bodies, REQUEST_TIMEOUT, hold, poll)
 
     def log(self) -> str:
         return self.process.log()
@@ -182,9 +184,10 @@ class DockerEngine(Engine):
             return False
         return True
 
-    def post_all(self, bodies: list[dict], hold: float = 0.0) -> list[dict]:
-        return self._call({"op": "post", "base": self.base, "bodies": bodies,
-                           "timeout": REQUEST_TIMEOUT, "hold": hold})["answers"]
+    def post_all(self, bodies: list[dict], hold: float = 0.0, poll: float = 0.0) -> dict:
+        answer = self._call({"op": "post", "base": self.base, "bodies": bodies,
+                             "timeout": REQUEST_TIMEOUT, "hold": hold, "poll": poll})
+        return {"answers": answer["answers"], "running": answer["running"]}
 
     def log(self) -> str:
         return self.box.logs()

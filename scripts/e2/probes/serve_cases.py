@@ -13,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from e2 import console
@@ -105,10 +103,11 @@ RUNNING_POLL_S = 0.05
 
 @dataclass
 class RunningSamples:
-    """``vllm:num_requests_running`` read through a case: its peak, and its mean
-    over the readings taken while any request ran (a stock engine that preempts
-    runs more at its peak than it keeps up). Readings can miss steps: both are
-    estimates."""
+    """``vllm:num_requests_running`` read through a case by the client that posts it
+    (inside the container on the Docker path, so both runners read at the same
+    rate): its peak, and its mean over the readings taken while any request ran
+    (a stock engine that preempts runs more at its peak than it keeps up).
+    Readings can miss steps: both are estimates."""
 
     values: list[int]
 
@@ -122,27 +121,6 @@ class RunningSamples:
         return round(sum(busy) / len(busy), 2) if busy else 0.0
 
 
-@contextlib.contextmanager
-def running_samples(engine: Engine) -> Iterator[RunningSamples]:
-    """Samples of the running gauge while the block runs, as often as /metrics
-    answers (at most every RUNNING_POLL_S); complete once the block is done."""
-    samples, done = RunningSamples([]), threading.Event()
-
-    def poll() -> None:
-        while not done.is_set():
-            with contextlib.suppress(Exception):  # an answer lost mid-run is a missed sample
-                samples.values.append(int(metrics(engine).get("vllm:num_requests_running", 0)))
-            done.wait(RUNNING_POLL_S)
-
-    poller = threading.Thread(target=poll, name="running-samples", daemon=True)
-    poller.start()
-    try:
-        yield samples
-    finally:
-        done.set()
-        poller.join()
-
-
 def run_case(engine: Engine, case: Case) -> dict:
     before = metrics(engine)
     started = time.monotonic()
@@ -151,14 +129,14 @@ def run_case(engine: Engine, case: Case) -> dict:
         # Concurrent requests, held at a paused engine until all are queued: otherwise
         # they land in the engine's steps by timing, the schedule (and with it the
         # preemptions) differs from run to run, and bf16 numerics follow the batch.
-        with running_samples(engine) as running:
-            answers = engine.post_all([_body(p, case.max_tokens) for p in case.prompts],
-                                      hold=HOLD_S)
+        posted = engine.post_all([_body(p, case.max_tokens) for p in case.prompts],
+                                 hold=HOLD_S, poll=RUNNING_POLL_S)
+        answers, running = posted["answers"], RunningSamples(posted["running"])
         pairs = [(a, (a.get("choices") or [{}])[0]) for a in answers]
     else:
         pairs = []
         for prompt in case.prompts:
-            answer = engine.post_all([_body(prompt, case.max_tokens)])[0]
+            answer = engine.post_all([_body(prompt, case.max_tokens)])["answers"][0]
             pairs.append((answer, (answer.get("choices") or [{}])[0]))
     seconds = round(time.monotonic() - started, 2)
     after = metrics(engine)

@@ -22,8 +22,23 @@ def http(base: str, path: str, body: dict | None = None, timeout: float = 600) -
         return response.read().decode()
 
 
-def post_all(base: str, bodies: list, timeout: float = 600, hold: float = 0.0) -> list:
-    """POST every body to /v1/completions at once (one thread each); answers in order.
+def running_now(base: str, timeout: float = 30) -> int:
+    """``vllm:num_requests_running`` from /metrics, summed over engines."""
+    import re
+
+    gauge = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
+    return int(sum(float(v) for v in gauge.findall(http(base, "/metrics", timeout=timeout))))
+
+
+def post_all(base: str, bodies: list, timeout: float = 600, hold: float = 0.0,
+             poll: float = 0.0) -> dict:
+    """POST every body to /v1/completions at once (one thread each).
+
+    Returns {"answers": one per body, in order, "running": readings of the running
+    gauge}. ``poll`` > 0: the gauge is read every ``poll`` seconds (at most) from
+    the first request until the last answer, by this client, beside the engine:
+    on the Docker path this runs inside the container, where a reading costs
+    milliseconds instead of a ``docker exec``.
 
     ``hold`` > 0: the engine is paused (dev mode's /pause?mode=keep queues new requests)
     while the bodies go in, a quarter second apart (so they queue in order), and resumed
@@ -34,6 +49,8 @@ def post_all(base: str, bodies: list, timeout: float = 600, hold: float = 0.0) -
     import time
 
     answers: list = [None] * len(bodies)
+    running: list = []
+    done = threading.Event()
 
     def one(index: int) -> None:
         try:
@@ -43,22 +60,38 @@ def post_all(base: str, bodies: list, timeout: float = 600, hold: float = 0.0) -
         except Exception as exc:  # noqa: BLE001 - reported per request
             answers[index] = {"error": f"{type(exc).__name__}: {exc}"}
 
+    def sample() -> None:
+        while not done.is_set():
+            try:
+                running.append(running_now(base))
+            except Exception:  # noqa: BLE001 - an answer lost mid-run is a missed reading
+                pass
+            done.wait(poll)
+
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    sampler = threading.Thread(target=sample, daemon=True)
     if hold > 0:
         http(base, "/pause?mode=keep", {}, 60)
+    if poll > 0:
+        sampler.start()
     try:
-        for thread in threads:
-            thread.start()
+        try:
+            for thread in threads:
+                thread.start()
+                if hold > 0:
+                    time.sleep(0.25)  # one at a time: the queue order is the prompts' order
             if hold > 0:
-                time.sleep(0.25)  # one at a time: the queue order is the prompts' order
-        if hold > 0:
-            time.sleep(hold)
+                time.sleep(hold)
+        finally:
+            if hold > 0:
+                http(base, "/resume", {}, 60)
+        for thread in threads:
+            thread.join()
     finally:
-        if hold > 0:
-            http(base, "/resume", {}, 60)
-    for thread in threads:
-        thread.join()
-    return answers
+        done.set()
+    if poll > 0:
+        sampler.join()
+    return {"answers": answers, "running": running}
 
 
 def _client_main() -> None:
@@ -69,8 +102,8 @@ def _client_main() -> None:
             print(json.dumps({"ok": True, "text": http(call["base"], call["path"],
                                                        timeout=call["timeout"])}))
         else:
-            print(json.dumps({"ok": True, "answers": post_all(
-                call["base"], call["bodies"], call["timeout"], call["hold"])}))
+            print(json.dumps({"ok": True, **post_all(
+                call["base"], call["bodies"], call["timeout"], call["hold"], call["poll"])}))
     except Exception as exc:  # noqa: BLE001 - the probe decides what it means
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
 
@@ -79,5 +112,5 @@ def client_source() -> str:
     """This module's client as a script for ``python3 -c`` (it runs ``_client_main``)."""
     parts = ["from __future__ import annotations", "import json, os, urllib.error, "
              "urllib.request"]
-    parts += [inspect.getsource(f) for f in (http, post_all, _client_main)]
+    parts += [inspect.getsource(f) for f in (http, running_now, post_all, _client_main)]
     return "\n\n".join(parts) + "\n\n_client_main()\n"

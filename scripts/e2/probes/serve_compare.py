@@ -126,6 +126,9 @@ def _concurrency_problems(expect: str, side: str, case: dict, s_case: dict) -> l
     than stock; and where the case is built for it (``more_running``), E2 runs
     more requests at once than stock, at its peak and on average."""
     problems = []
+    if case.get("peak_running") == 0:  # the gauge never read a running request: unmeasured
+        problems.append(f"{side}: no reading of vllm:num_requests_running while its "
+                        "requests ran")
     if expect == "preemptions" and side == "stock" and case["preemptions"] <= 0:
         problems.append("stock: no preemption (vllm:num_preemptions)")
     if side != "e2":
