@@ -51,11 +51,13 @@ def test_the_failing_record_reports_its_problems():
     assert "- sync oversubscribed: request 3: token ids differ from position 7" in text
 
 
-def test_running_samples_peak_and_mean_over_busy_readings():
-    """The oversubscribed case's running figures: the mean leaves out idle readings
-    (the engine paused while the requests queue, or done before the sampler stops)."""
-    from e2.probes.serve_cases import RunningSamples
+def test_running_peak_from_readings_and_mean_from_step_counters():
+    """The oversubscribed cases' running figures: the peak of the gauge's readings,
+    and the mean as requests per engine step (tokens generated over steps taken)."""
+    from e2.probes.serve_cases import RunningSamples, requests_per_step
 
-    samples = RunningSamples([0, 0, 5, 5, 4, 2, 0])
-    assert (samples.peak, samples.mean) == (5, 4.0)
-    assert (RunningSamples([]).peak, RunningSamples([0]).mean) == (0, 0.0)
+    assert RunningSamples([0, 0, 5, 5, 4, 2, 0]).peak == 5
+    assert RunningSamples([]).peak == 0
+    # 32 requests of 16 outputs: 5 at a time in 7 waves of 16 steps, the last of 2
+    assert requests_per_step(32 * 16, 7 * 16) == 4.57
+    assert requests_per_step(0, 0) == 0.0

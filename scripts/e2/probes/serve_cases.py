@@ -104,10 +104,9 @@ RUNNING_POLL_S = 0.05
 @dataclass
 class RunningSamples:
     """``vllm:num_requests_running`` read through a case by the client that posts it
-    (inside the container on the Docker path, so both runners read at the same
-    rate): its peak, and its mean over the readings taken while any request ran
-    (a stock engine that preempts runs more at its peak than it keeps up).
-    Readings can miss steps: both are estimates."""
+    (inside the container on the Docker path): its peak. Readings can miss steps, so
+    the peak is a floor; the mean comes from the engine's own step counters
+    (requests_per_step), not from readings, whose spacing follows timing."""
 
     values: list[int]
 
@@ -115,10 +114,13 @@ class RunningSamples:
     def peak(self) -> int:
         return max(self.values, default=0)
 
-    @property
-    def mean(self) -> float:
-        busy = [v for v in self.values if v]
-        return round(sum(busy) / len(busy), 2) if busy else 0.0
+
+def requests_per_step(generated_tokens: int, engine_steps: int) -> float:
+    """Requests an engine step ran, on average over a case: every scheduled request
+    samples one token a step (prompts fit in one step here, a resumed one included),
+    so tokens generated over steps taken. The schedule is held to be the same on
+    every run, so unlike the running gauge's readings this does not follow timing."""
+    return round(generated_tokens / engine_steps, 2) if engine_steps else 0.0
 
 
 def run_case(engine: Engine, case: Case) -> dict:
@@ -156,7 +158,9 @@ def run_case(engine: Engine, case: Case) -> dict:
             "prefix_cache_queries": delta("vllm:prefix_cache_queries_total"),
             "preemptions": delta("vllm:num_preemptions_total"),
             "peak_running": running.peak if running else None,
-            "mean_running": running.mean if running else None}
+            "mean_running": requests_per_step(delta("vllm:generation_tokens_total"),
+                                              delta("vllm:iteration_tokens_total_count"))
+            if running else None}
 
 
 def run_side(runner: Runner, side: str, plan: dict[str, int],

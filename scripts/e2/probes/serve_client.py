@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import threading
 import urllib.error
 import urllib.request
 
@@ -30,6 +31,16 @@ def running_now(base: str, timeout: float = 30) -> int:
     return int(sum(float(v) for v in gauge.findall(http(base, "/metrics", timeout=timeout))))
 
 
+def _read_running(base: str, poll: float, done: threading.Event, readings: list) -> None:
+    """Append running_now() every ``poll`` seconds until ``done`` is set."""
+    while not done.is_set():
+        try:
+            readings.append(running_now(base))
+        except Exception:  # noqa: BLE001 - an answer lost mid-run is a missed reading
+            pass
+        done.wait(poll)
+
+
 def post_all(base: str, bodies: list, timeout: float = 600, hold: float = 0.0,
              poll: float = 0.0) -> dict:
     """POST every body to /v1/completions at once (one thread each).
@@ -45,7 +56,6 @@ def post_all(base: str, bodies: list, timeout: float = 600, hold: float = 0.0,
     ``hold`` seconds after the last: its scheduler sees every request at once, in the
     same order, and runs the same schedule on every run.
     """
-    import threading
     import time
 
     answers: list = [None] * len(bodies)
@@ -60,16 +70,9 @@ def post_all(base: str, bodies: list, timeout: float = 600, hold: float = 0.0,
         except Exception as exc:  # noqa: BLE001 - reported per request
             answers[index] = {"error": f"{type(exc).__name__}: {exc}"}
 
-    def sample() -> None:
-        while not done.is_set():
-            try:
-                running.append(running_now(base))
-            except Exception:  # noqa: BLE001 - an answer lost mid-run is a missed reading
-                pass
-            done.wait(poll)
-
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
-    sampler = threading.Thread(target=sample, daemon=True)
+    sampler = threading.Thread(target=_read_running, args=(base, poll, done, running),
+                               daemon=True)
     if hold > 0:
         http(base, "/pause?mode=keep", {}, 60)
     if poll > 0:
@@ -110,7 +113,8 @@ def _client_main() -> None:
 
 def client_source() -> str:
     """This module's client as a script for ``python3 -c`` (it runs ``_client_main``)."""
-    parts = ["from __future__ import annotations", "import json, os, urllib.error, "
-             "urllib.request"]
-    parts += [inspect.getsource(f) for f in (http, running_now, post_all, _client_main)]
+    parts = ["from __future__ import annotations", "import json, os, threading, "
+             "urllib.error, urllib.request"]
+    parts += [inspect.getsource(f) for f in (http, running_now, _read_running, post_all,
+                                                   _client_main)]
     return "\n\n".join(parts) + "\n\n_client_main()\n"

@@ -114,7 +114,7 @@ def _compare_case(mode: str, name: str, s_case: dict, e_case: dict, kv: dict) ->
         elif expect in ("preemptions", "more_running"):
             exercised[side] = f"{case['preemptions']} preemptions"
             if case.get("peak_running") is not None:
-                exercised[side] += (f", {case['mean_running']} running on average, "
+                exercised[side] += (f", {case['mean_running']} running per step, "
                                     f"{case['peak_running']} at most")
             problems += _concurrency_problems(expect, side, case, s_case)
     return Row(mode, name, n, done, tokens, matched, exercised, kv, None, problems)
@@ -124,7 +124,7 @@ def _concurrency_problems(expect: str, side: str, case: dict, s_case: dict) -> l
     """A concurrent case's path: stock preempts and resumes (``preemptions``);
     E2, which admits with the room its requests will take, never preempts more
     than stock; and where the case is built for it (``more_running``), E2 runs
-    more requests at once than stock, at its peak and on average."""
+    more requests at once than stock, at its peak and per engine step."""
     problems = []
     if case.get("peak_running") == 0:  # the gauge never read a running request: unmeasured
         problems.append(f"{side}: no reading of vllm:num_requests_running while its "
@@ -137,7 +137,7 @@ def _concurrency_problems(expect: str, side: str, case: dict, s_case: dict) -> l
         problems.append(f"e2 preempted {case['preemptions']} times, stock "
                         f"{s_case['preemptions']}")
     if expect == "more_running":
-        for what, key in (("at most", "peak_running"), ("on average", "mean_running")):
+        for what, key in (("at most", "peak_running"), ("per step", "mean_running")):
             if (case.get(key) or 0) <= (s_case.get(key) or 0):
                 problems.append(f"e2 ran {case.get(key)} requests {what}, stock "
                                 f"{s_case.get(key)}: no more at once")
