@@ -1506,6 +1506,10 @@ class KVCacheConfig:
     kv_tp_replicas: int = 1
     """Consecutive TP ranks holding identical KV for every layer (1: none)."""
 
+    slab_tail_blocks: int = 0
+    """vLLM E2: attention slab blocks past the last pool page, cut from the
+    planner's leftover memory; never a state (vllm/v1/core/state_pool.py)."""
+
     @cached_property
     def transfer_group_ids(self) -> tuple[int, ...]:
         """IDs of cache groups that participate in external KV transfer."""
@@ -1570,7 +1574,9 @@ class KVCacheConfig:
     def num_blocks_of(self, tensor: KVCacheTensor) -> int:
         """Number of blocks addressable by the pool backing ``tensor``."""
         if not tensor.host_resident:
-            return self.num_blocks * tensor.blocks_per_page
+            if tensor.blocks_per_page > 1:
+                return self.num_blocks * tensor.blocks_per_page + self.slab_tail_blocks
+            return self.num_blocks
         assert self.hisparse_host_num_blocks is not None
         return self.hisparse_host_num_blocks
 

@@ -109,7 +109,7 @@ class KVCacheCoordinator(ABC):
             metrics_collector=metrics_collector,
         )
         self.slab_pool = (
-            self.block_pool.attach_slab(blocks_per_page)
+            self.block_pool.attach_slab(blocks_per_page, kv_cache_config.slab_tail_blocks)
             if isinstance(self.block_pool, PagePool)
             else None
         )

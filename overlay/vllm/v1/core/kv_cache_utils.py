@@ -2834,10 +2834,20 @@ def get_kv_cache_configs(
             vllm_config, groups, min_num_blocks * _pool_bytes_per_block(groups)
         )
 
-    # vLLM E2: attention at the backend's natural block size (state_pool.py).
+    # vLLM E2: attention at the backend's natural block size, and what every
+    # rank has left below one more page as slab blocks (state_pool.py).
     from vllm.v1.core.state_pool import cut_attention_slabs
 
-    kv_cache_configs = [cut_attention_slabs(vllm_config, c) for c in kv_cache_configs]
+    kv_cache_configs = cut_attention_slabs(
+        vllm_config,
+        kv_cache_configs,
+        [
+            avail_mem - c.num_blocks * _pool_bytes_per_block(c.kv_cache_groups)
+            if c.kv_cache_groups
+            else 0
+            for c, avail_mem in zip(kv_cache_configs, available_memory)
+        ],
+    )
 
     for kv_cache_config in kv_cache_configs:
         kv_cache_config.kv_tp_replicas = kv_cache_groups_tp_replicas(

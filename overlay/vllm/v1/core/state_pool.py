@@ -149,6 +149,22 @@ def align_state_block_size(vllm_config: VllmConfig, attention_block: int) -> int
 
 
 def cut_attention_slabs(
+    vllm_config: VllmConfig,
+    kv_cache_configs: list[KVCacheConfig],
+    spare_bytes: list[int],
+) -> list[KVCacheConfig]:
+    """Every rank's plan with attention slabs (cut_attention_slab), and the
+    slab tail the budget's remainder holds on every rank (``spare_bytes``:
+    each rank's memory left below one more page; see slab_tail_blocks)."""
+    configs = [cut_attention_slab(vllm_config, c) for c in kv_cache_configs]
+    tail = min(
+        slab_tail_blocks(c, slab_blocks_per_page(c), spare)
+        for c, spare in zip(configs, spare_bytes)
+    ) if configs else 0
+    return [add_slab_tail(c, tail) for c in configs] if tail else configs
+
+
+def cut_attention_slab(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
 ) -> KVCacheConfig:
     """Attention groups and tensors at the backend's natural block size.
@@ -198,6 +214,56 @@ def cut_attention_slabs(
     return replace(kv_cache_config, kv_cache_groups=groups, kv_cache_tensors=tensors)
 
 
+def add_slab_tail(kv_cache_config: KVCacheConfig, tail: int) -> KVCacheConfig:
+    """``tail`` slab blocks past the last page: every layer's region grows by
+    them, so the regions of all groups still overlay page for page, and the
+    states, which never reach past the last page, keep their bytes."""
+    tensors = kv_cache_config.kv_cache_tensors
+    pages_bytes = tensors[0].layer_stride
+    block_bytes = pages_bytes // kv_cache_config.num_blocks // slab_blocks_per_page(
+        kv_cache_config
+    )
+    region = pages_bytes + tail * block_bytes
+    layer_slots = tensors[0].size // pages_bytes
+    return replace(
+        kv_cache_config,
+        kv_cache_tensors=[
+            replace(t, layer_stride=region, size=layer_slots * region) for t in tensors
+        ],
+        slab_tail_blocks=tail,
+    )
+
+
+def slab_tail_blocks(kv_cache_config: KVCacheConfig, k: int, spare_bytes: int) -> int:
+    """Slab blocks the budget's remainder holds past the last page. The
+    planner floors the budget to whole pages, which leaves up to a page in
+    every layer's region idle (Qwen3.5-27B, fp8 KV, 10 GiB: 96 of a page's 98
+    blocks). Tail blocks stay with the slab for good, never a state, so there
+    are fewer than ``k``; layouts other than each layer's pages back to back
+    from byte 0 keep none."""
+    tensors = kv_cache_config.kv_cache_tensors
+    num_pages = kv_cache_config.num_blocks
+    if k == 1 or spare_bytes <= 0 or not tensors:
+        return 0
+    pages_bytes = tensors[0].layer_stride
+    if pages_bytes % (num_pages * k) or any(
+        t.offset or t.layer_stride != pages_bytes or t.size % pages_bytes
+        for t in tensors
+    ):
+        return 0
+    block_bytes = pages_bytes // num_pages // k
+    layer_slots = tensors[0].size // pages_bytes
+    return min(k - 1, spare_bytes // (layer_slots * block_bytes))
+
+
+def slab_num_blocks(kv_cache_config: KVCacheConfig) -> int:
+    """The attention slab's blocks, tail included (0: upstream's pool)."""
+    k = slab_blocks_per_page(kv_cache_config)
+    if k == 1:
+        return 0
+    return kv_cache_config.num_blocks * k + kv_cache_config.slab_tail_blocks
+
+
 def log_slab_capacity(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, max_concurrency: float
 ) -> None:
@@ -208,7 +274,7 @@ def log_slab_capacity(
         return
     usable = kv_cache_config.num_blocks - 1  # page 0 is the null page
     held_pages, peak_pages = request_state_pages(vllm_config, kv_cache_config)
-    attention_tokens = 0
+    attention_tokens = natural = 0
     page_bytes = 0
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -216,7 +282,10 @@ def log_slab_capacity(
             page_bytes, len(group.layer_names) * spec.page_size_bytes * group.blocks_per_page
         )
         if group.blocks_per_page > 1:
-            attention_tokens = usable * group.blocks_per_page * spec.block_size
+            natural = spec.block_size
+            attention_tokens = (
+                usable * group.blocks_per_page + kv_cache_config.slab_tail_blocks
+            ) * spec.block_size
     peak = f" ({peak_pages} while it crosses an align boundary)" if peak_pages > held_pages else ""
     logger.info_once(
         "vLLM E2 state pool: %s pages of %.2f MiB; attention up to %s tokens "
@@ -226,7 +295,7 @@ def log_slab_capacity(
         f"{usable:,}",
         page_bytes / (1 << 20),
         f"{attention_tokens:,}",
-        attention_tokens // (usable * k),
+        natural,
         k,
         held_pages,
         peak,
@@ -516,12 +585,14 @@ class SlabPool(BlockPool):
     blocks is in use or still cached; an idle page (all ``k`` blocks free)
     without cached blocks goes straight back, an idle page with cached blocks
     stays until the page pool reclaims it. New blocks come from the fullest
-    held page first, so pages empty out whole.
+    held page first, so pages empty out whole. The ``tail_blocks`` past the
+    last page (fewer than ``k``: that page never comes idle) are the slab's
+    for good.
     """
 
-    def __init__(self, pages: PagePool, blocks_per_page: int) -> None:
+    def __init__(self, pages: PagePool, blocks_per_page: int, tail_blocks: int = 0) -> None:
         super().__init__(
-            num_gpu_blocks=pages.num_gpu_blocks * blocks_per_page,
+            num_gpu_blocks=pages.num_gpu_blocks * blocks_per_page + tail_blocks,
             enable_caching=pages.enable_caching,
             hash_block_size=pages.hash_block_size,
             enable_kv_cache_events=pages.enable_kv_cache_events,
@@ -534,8 +605,12 @@ class SlabPool(BlockPool):
         # Block 0 (in the page pool's null page 0) stays the null block.
         for block in self.blocks:
             block.prev_free_block = block.next_free_block = None
-        self.free_block_queue = _PagedFreeQueue(blocks_per_page, pages.num_gpu_blocks)
+        self.free_block_queue = _PagedFreeQueue(
+            blocks_per_page, pages.num_gpu_blocks + (1 if tail_blocks else 0)
+        )
         self.page_blocks: dict[int, KVCacheBlock] = {}  # held page id -> its block
+        self.tail_blocks = tail_blocks
+        self.free_block_queue.append_n(self.blocks[len(self.blocks) - tail_blocks :])
 
     # -- pages in and out
 
@@ -683,8 +758,8 @@ class PagePool(BlockPool):
 
     slab: SlabPool
 
-    def attach_slab(self, blocks_per_page: int) -> SlabPool:
-        self.slab = SlabPool(self, blocks_per_page)
+    def attach_slab(self, blocks_per_page: int, tail_blocks: int = 0) -> SlabPool:
+        self.slab = SlabPool(self, blocks_per_page, tail_blocks)
         self._slab_idle_pages = self.slab.free_block_queue.idle_pages
         return self.slab
 
@@ -704,10 +779,11 @@ class PagePool(BlockPool):
 
     def get_usage(self) -> float:
         """Pages in use, a slab page counting by its used blocks."""
-        total = self.num_gpu_blocks - 1
+        k = self.slab.blocks_per_page
+        total = self.num_gpu_blocks - 1 + self.slab.tail_blocks / k
         if not total:
             return 0
-        slab_free = self.slab.free_block_queue.num_free_blocks / self.slab.blocks_per_page
+        slab_free = self.slab.free_block_queue.num_free_blocks / k
         return 1.0 - (self.free_block_queue.num_free_blocks + slab_free) / total
 
     def take_events(self):  # type: ignore[no-untyped-def]
@@ -715,7 +791,7 @@ class PagePool(BlockPool):
 
     def reset_prefix_cache(self) -> bool:
         if self.slab.free_block_queue.num_free_blocks != (
-            len(self.slab.page_blocks) * self.slab.blocks_per_page
+            len(self.slab.page_blocks) * self.slab.blocks_per_page + self.slab.tail_blocks
         ):
             logger.warning("Failed to reset prefix cache: attention blocks in use")
             return False

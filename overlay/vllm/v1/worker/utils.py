@@ -170,14 +170,15 @@ class KVBlockZeroer:
                     continue
                 dp = kv.data_ptr()
 
-                assert kv.shape[0] % num_blocks == 0, (
+                # Kernel blocks per scheduler block. vLLM E2: an attention
+                # slab has k scheduler blocks per pool page and a tail past
+                # the last page, so this is not kv.shape[0] // num_blocks
+                # there (its blocks are kernel blocks: ratio 1).
+                ratio = spec.block_size // kernel_bs
+                assert ratio == 1 or kv.shape[0] % num_blocks == 0, (
                     f"{layer_name}: {kv.shape[0]} kernel blocks is not a "
                     f"multiple of {num_blocks} logical blocks"
                 )
-                # Kernel blocks per scheduler block. vLLM E2: an attention
-                # slab has k scheduler blocks per pool page, so this is not
-                # kv.shape[0] // num_blocks there.
-                ratio = spec.block_size // kernel_bs
 
                 el = kv.element_size()
                 block_stride_bytes = kv.stride(0) * el
@@ -695,11 +696,11 @@ def copy_kv_cache_blocks_inplace(
     kv_caches: Iterable[torch.Tensor],
     num_blocks: int,
     kv_cache_block_copies: Sequence[KVCacheBlockCopy],
-    slab_blocks_per_page: int = 1,
+    slab_num_blocks: int = 0,
 ) -> None:
     if not kv_cache_block_copies:
         return
-    if slab_blocks_per_page > 1:
+    if slab_num_blocks:
         # vLLM E2: ids past num_blocks are attention slab blocks (state_pool.py):
         # copied block by block in the slab views, whose dim 0 counts them;
         # the rest are pool pages, copied whole as upstream does.
@@ -710,12 +711,8 @@ def copy_kv_cache_blocks_inplace(
             if c.src_block_id >= num_blocks
         ]
         pages = [c for c in kv_cache_block_copies if c.src_block_id < num_blocks]
-        slab_views = [
-            cache for cache in kv_caches if cache.shape[0] == num_blocks * slab_blocks_per_page
-        ]
-        copy_kv_cache_blocks_inplace(
-            slab_views, num_blocks * slab_blocks_per_page, slab
-        )
+        slab_views = [cache for cache in kv_caches if cache.shape[0] == slab_num_blocks]
+        copy_kv_cache_blocks_inplace(slab_views, slab_num_blocks, slab)
         kv_cache_block_copies = pages
         if not pages:
             return

@@ -63,7 +63,7 @@ from vllm.utils.gc_utils import freeze_gc_for_cudagraph_capture
 from vllm.utils.mem_utils import DeviceMemoryProfiler, format_gib
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, async_tensor_h2d
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.core.state_pool import slab_blocks_per_page
+from vllm.v1.core.state_pool import slab_num_blocks
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     MambaSpec,
@@ -1233,7 +1233,7 @@ class GPUModelRunner(LoRAModelRunnerMixin):
                 self.kv_cache_config.num_blocks,
                 scheduler_output.kv_cache_block_copies,
                 # vLLM E2: attention slab copies (state_pool.py).
-                slab_blocks_per_page(self.kv_cache_config),
+                slab_num_blocks(self.kv_cache_config),
             )
 
     def gather_batch_req_state(
