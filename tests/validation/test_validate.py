@@ -41,9 +41,10 @@ def test_seam_real_series(real_project, tmp_path):
     assert list(patches) == ["0001", "0002"]
     # 0001: the switch registry's 46 tests (over both switches of the series); 0002: the
     # state pool's tests, each run with the switch on and off (the slab-only one skips off,
-    # and the views and copies on CUDA tensors skip on a machine without a GPU: 4)
+    # and the views, copies and slab tail on CUDA tensors skip on a machine without a
+    # GPU: 6)
     for patch_id, tests, skipped, control in (("0001", 46, 0, "VLLM_E2_REPORT=0"),
-                                               ("0002", 80, 5, "VLLM_E2_STATE_POOL=0")):
+                                               ("0002", 84, 7, "VLLM_E2_STATE_POOL=0")):
         patch = patches[patch_id]
         assert patch["verdict"] == "passed"
         checks = {c["kind"]: c for c in patch["checks"]}
