@@ -213,17 +213,16 @@ def audit(harness: SchedulerHarness) -> dict:
         held = sorted(slab.page_blocks)
         busy = [p for p in held if slab.free_block_queue.free_in_page[p] != k]
         in_use = sum(1 for b in slab.blocks if b.ref_cnt > 0 and not b.is_null)
-        # The slab tail (blocks past the last page) is never a pool page: a block
-        # left in it leaks nothing the pool counts, so it is counted here.
-        tail = slab.blocks[len(slab.blocks) - slab.tail_blocks:] if slab.tail_blocks else []
-        tail_in_use = sum(1 for b in tail if b.ref_cnt > 0)
+        # The slab tail (blocks past the last page) is never a pool page: the
+        # pool's free count misses a block left in it.
+        tail_in_use = slab.num_tail_blocks_in_use
         result["leaked_blocks"] += tail_in_use
         reclaimed = slab.reclaim(len(held))
         result["slab"] = {
             "blocks_per_page": k,
             "blocks_in_use": in_use,
             "held_pages": len(held),
-            "tail_blocks": len(tail),
+            "tail_blocks": slab.tail_blocks,
             # a held page (the tail one too) with a block in use: a leak
             "busy_held_pages": len(busy) + (1 if tail_in_use else 0),
             "reclaimed_pages": reclaimed,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -25,8 +26,6 @@ def http(base: str, path: str, body: dict | None = None, timeout: float = 600) -
 
 def running_now(base: str, timeout: float = 30) -> int:
     """``vllm:num_requests_running`` from /metrics, summed over engines."""
-    import re
-
     gauge = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
     return int(sum(float(v) for v in gauge.findall(http(base, "/metrics", timeout=timeout))))
 
@@ -113,7 +112,7 @@ def _client_main() -> None:
 
 def client_source() -> str:
     """This module's client as a script for ``python3 -c`` (it runs ``_client_main``)."""
-    parts = ["from __future__ import annotations", "import json, os, threading, "
+    parts = ["from __future__ import annotations", "import json, os, re, threading, "
              "urllib.error, urllib.request"]
     parts += [inspect.getsource(f) for f in (http, running_now, _read_running, post_all,
                                                    _client_main)]

@@ -66,9 +66,7 @@ def _slab_tail_blocks_in_use(scheduler: Any) -> int:
     """Blocks held in E2's slab tail (attention blocks past the last pool page): the
     pool's free count never sees them, so a leak there is counted here (0 on stock)."""
     slab = getattr(scheduler.kv_cache_manager.coordinator, "slab_pool", None)
-    if slab is None or not getattr(slab, "tail_blocks", 0):
-        return 0
-    return sum(1 for b in slab.blocks[len(slab.blocks) - slab.tail_blocks:] if b.ref_cnt > 0)
+    return slab.num_tail_blocks_in_use if slab is not None else 0
 
 
 def _scheduler(vllm_config: Any, kv_cache_config: Any, tokens: int) -> tuple[Any, Any]:

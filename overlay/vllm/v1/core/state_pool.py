@@ -158,9 +158,8 @@ def cut_attention_slabs(
     each rank's memory left below one more page; see slab_tail_blocks)."""
     configs = [cut_attention_slab(vllm_config, c) for c in kv_cache_configs]
     tail = min(
-        slab_tail_blocks(c, slab_blocks_per_page(c), spare)
-        for c, spare in zip(configs, spare_bytes)
-    ) if configs else 0
+        (slab_tail_blocks(c, spare) for c, spare in zip(configs, spare_bytes)), default=0
+    )
     return [add_slab_tail(c, tail) for c in configs] if tail else configs
 
 
@@ -218,42 +217,51 @@ def add_slab_tail(kv_cache_config: KVCacheConfig, tail: int) -> KVCacheConfig:
     """``tail`` slab blocks past the last page: every layer's region grows by
     them, so the regions of all groups still overlay page for page, and the
     states, which never reach past the last page, keep their bytes."""
-    tensors = kv_cache_config.kv_cache_tensors
-    pages_bytes = tensors[0].layer_stride
-    block_bytes = pages_bytes // kv_cache_config.num_blocks // slab_blocks_per_page(
-        kv_cache_config
-    )
+    regions = _layer_regions(kv_cache_config)
+    assert regions is not None
+    pages_bytes, block_bytes, layer_slots = regions
     region = pages_bytes + tail * block_bytes
-    layer_slots = tensors[0].size // pages_bytes
     return replace(
         kv_cache_config,
         kv_cache_tensors=[
-            replace(t, layer_stride=region, size=layer_slots * region) for t in tensors
+            replace(t, layer_stride=region, size=layer_slots * region)
+            for t in kv_cache_config.kv_cache_tensors
         ],
         slab_tail_blocks=tail,
     )
 
 
-def slab_tail_blocks(kv_cache_config: KVCacheConfig, k: int, spare_bytes: int) -> int:
+def slab_tail_blocks(kv_cache_config: KVCacheConfig, spare_bytes: int) -> int:
     """Slab blocks the budget's remainder holds past the last page. The
     planner floors the budget to whole pages, which leaves up to a page in
     every layer's region idle (Qwen3.5-27B, fp8 KV, 10 GiB: 96 of a page's 98
     blocks). Tail blocks stay with the slab for good, never a state, so there
-    are fewer than ``k``; layouts other than each layer's pages back to back
-    from byte 0 keep none."""
-    tensors = kv_cache_config.kv_cache_tensors
-    num_pages = kv_cache_config.num_blocks
-    if k == 1 or spare_bytes <= 0 or not tensors:
+    are fewer than a page's ``k``; layouts other than each layer's pages back
+    to back from byte 0 keep none."""
+    k = slab_blocks_per_page(kv_cache_config)
+    regions = _layer_regions(kv_cache_config) if k > 1 and spare_bytes > 0 else None
+    if regions is None:
         return 0
+    _, block_bytes, layer_slots = regions
+    return min(k - 1, spare_bytes // (layer_slots * block_bytes))
+
+
+def _layer_regions(kv_cache_config: KVCacheConfig) -> tuple[int, int, int] | None:
+    """(bytes of a layer region's pages, bytes of a slab block, layer regions) of
+    a slab plan whose every layer region is its pages back to back from byte 0;
+    None for any other layout."""
+    tensors = kv_cache_config.kv_cache_tensors
+    k = slab_blocks_per_page(kv_cache_config)
+    if not tensors:
+        return None
     pages_bytes = tensors[0].layer_stride
-    if pages_bytes % (num_pages * k) or any(
+    if pages_bytes % (kv_cache_config.num_blocks * k) or any(
         t.offset or t.layer_stride != pages_bytes or t.size % pages_bytes
         for t in tensors
     ):
-        return 0
-    block_bytes = pages_bytes // num_pages // k
-    layer_slots = tensors[0].size // pages_bytes
-    return min(k - 1, spare_bytes // (layer_slots * block_bytes))
+        return None
+    block_bytes = pages_bytes // kv_cache_config.num_blocks // k
+    return pages_bytes, block_bytes, tensors[0].size // pages_bytes
 
 
 def slab_num_blocks(kv_cache_config: KVCacheConfig) -> int:
@@ -274,8 +282,7 @@ def log_slab_capacity(
         return
     usable = kv_cache_config.num_blocks - 1  # page 0 is the null page
     held_pages, peak_pages = request_state_pages(vllm_config, kv_cache_config)
-    attention_tokens = natural = 0
-    page_bytes = 0
+    natural = page_bytes = 0
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         page_bytes = max(
@@ -283,9 +290,8 @@ def log_slab_capacity(
         )
         if group.blocks_per_page > 1:
             natural = spec.block_size
-            attention_tokens = (
-                usable * group.blocks_per_page + kv_cache_config.slab_tail_blocks
-            ) * spec.block_size
+    # Every slab block but those of page 0, the null page.
+    attention_tokens = (slab_num_blocks(kv_cache_config) - k) * natural
     peak = f" ({peak_pages} while it crosses an align boundary)" if peak_pages > held_pages else ""
     logger.info_once(
         "vLLM E2 state pool: %s pages of %.2f MiB; attention up to %s tokens "
@@ -610,7 +616,7 @@ class SlabPool(BlockPool):
         )
         self.page_blocks: dict[int, KVCacheBlock] = {}  # held page id -> its block
         self.tail_blocks = tail_blocks
-        self.free_block_queue.append_n(self.blocks[len(self.blocks) - tail_blocks :])
+        self.free_block_queue.append_n(self.blocks[pages.num_gpu_blocks * blocks_per_page :])
 
     # -- pages in and out
 
@@ -657,6 +663,14 @@ class SlabPool(BlockPool):
     @property
     def num_idle_pages(self) -> int:
         return len(self.free_block_queue.idle_pages)
+
+    @property
+    def num_tail_blocks_in_use(self) -> int:
+        """Tail blocks held: the page pool's free count never sees them, so a
+        leak audit adds them."""
+        if not self.tail_blocks:
+            return 0
+        return self.tail_blocks - self.free_block_queue.free_in_page[-1]
 
     @property
     def num_free_blocks_in_busy_pages(self) -> int:
