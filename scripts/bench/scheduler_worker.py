@@ -207,29 +207,15 @@ def audit(harness: SchedulerHarness) -> dict:
             m.req_to_blocks.items() if blocks}),
     }
     clean = result["leaked_blocks"] == 0 and not result["requests_holding_blocks"]
-    slab = getattr(coordinator, "slab_pool", None)
-    if slab is not None:
-        k = slab.blocks_per_page
-        held = sorted(slab.page_blocks)
-        busy = [p for p in held if slab.free_block_queue.free_in_page[p] != k]
-        in_use = sum(1 for b in slab.blocks if b.ref_cnt > 0 and not b.is_null)
-        # The slab tail (blocks past the last page) is never a pool page: the
-        # pool's free count misses a block left in it.
-        tail_in_use = slab.num_tail_blocks_in_use
-        result["leaked_blocks"] += tail_in_use
-        reclaimed = slab.reclaim(len(held))
-        result["slab"] = {
-            "blocks_per_page": k,
-            "blocks_in_use": in_use,
-            "held_pages": len(held),
-            "tail_blocks": slab.tail_blocks,
-            # a held page (the tail one too) with a block in use: a leak
-            "busy_held_pages": len(busy) + (1 if tail_in_use else 0),
-            "reclaimed_pages": reclaimed,
-            "pages_after_reclaim": len(slab.page_blocks),
-        }
-        clean &= (not in_use and not busy and not tail_in_use and reclaimed == len(held)
-                  and not slab.page_blocks)
+    # E2's slabs: attention blocks, and request states where packed.
+    for key, name in (("slab", "slab_pool"), ("state_slab", "state_slab")):
+        slab = getattr(coordinator, name, None)
+        if slab is not None:
+            result[key], slab_clean = _audit_slab(slab)
+            # The slab tail (blocks past the last page) is never a pool page: the
+            # pool's free count misses a block left in it.
+            result["leaked_blocks"] += slab.num_tail_blocks_in_use
+            clean &= slab_clean
     # Then (the slab's idle pages handed back) every page but the null page is
     # free in the pool's own queue, and none holds a reference: no state leaked.
     result["blocks_in_use"] = sum(1 for b in pool.blocks if b.ref_cnt > 0 and not b.is_null)
@@ -238,6 +224,30 @@ def audit(harness: SchedulerHarness) -> dict:
               and result["pool_queue_free"] == pool.num_gpu_blocks - 1)
     result["clean"] = bool(clean)
     return result
+
+
+def _audit_slab(slab: Any) -> tuple[dict, bool]:
+    """A slab's pages once every request is done: each held page idle, and all
+    of them handed back to the pool on reclaim."""
+    k = slab.blocks_per_page
+    held = sorted(slab.page_blocks)
+    busy = [p for p in held if slab.free_block_queue.free_in_page[p] != k]
+    in_use = sum(1 for b in slab.blocks if b.ref_cnt > 0 and not b.is_null)
+    tail_in_use = slab.num_tail_blocks_in_use
+    reclaimed = slab.reclaim(len(held))
+    detail = {
+        "blocks_per_page": k,
+        "blocks_in_use": in_use,
+        "held_pages": len(held),
+        "tail_blocks": slab.tail_blocks,
+        # a held page (the tail one too) with a block in use: a leak
+        "busy_held_pages": len(busy) + (1 if tail_in_use else 0),
+        "reclaimed_pages": reclaimed,
+        "pages_after_reclaim": len(slab.page_blocks),
+    }
+    clean = (not in_use and not busy and not tail_in_use and reclaimed == len(held)
+             and not slab.page_blocks)
+    return detail, clean
 
 
 # ---------------------------------------------------------------- modes

@@ -1510,6 +1510,10 @@ class KVCacheConfig:
     """vLLM E2: attention slab blocks past the last pool page, cut from the
     planner's leftover memory; never a state (vllm/v1/core/state_pool.py)."""
 
+    states_per_page: int = 1
+    """vLLM E2: request states packed in one pool page (>1: a state slab, whose
+    state tensors address ``num_blocks * states_per_page`` states)."""
+
     @cached_property
     def transfer_group_ids(self) -> tuple[int, ...]:
         """IDs of cache groups that participate in external KV transfer."""
@@ -1576,7 +1580,8 @@ class KVCacheConfig:
         if not tensor.host_resident:
             if tensor.blocks_per_page > 1:
                 return self.num_blocks * tensor.blocks_per_page + self.slab_tail_blocks
-            return self.num_blocks
+            # vLLM E2: with a slab, every other tensor is a state tensor.
+            return self.num_blocks * self.states_per_page
         assert self.hisparse_host_num_blocks is not None
         return self.hisparse_host_num_blocks
 

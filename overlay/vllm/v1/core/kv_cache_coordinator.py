@@ -113,6 +113,12 @@ class KVCacheCoordinator(ABC):
             if isinstance(self.block_pool, PagePool)
             else None
         )
+        # Request states packed several to a page draw slots from a slab too.
+        self.state_slab = (
+            self.block_pool.attach_state_slab(kv_cache_config.states_per_page)
+            if isinstance(self.block_pool, PagePool) and kv_cache_config.states_per_page > 1
+            else None
+        )
         # What the running requests may still take: slab blocks for their
         # decode headroom, pages for align-mode boundary states. Set by the
         # scheduler before admitting, counted by admission only.
@@ -157,6 +163,9 @@ class KVCacheCoordinator(ABC):
                 max_model_len=max_model_len,
                 block_pool=self.slab_pool
                 if kv_cache_group.blocks_per_page > 1
+                else self.state_slab
+                if self.state_slab is not None
+                and isinstance(kv_cache_group.kv_cache_spec, MambaSpec)
                 else self.block_pool,
                 role=kv_cache_group.role,
                 enable_caching=enable_caching,

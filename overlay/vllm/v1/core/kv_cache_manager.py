@@ -16,7 +16,7 @@ from vllm.v1.core.kv_cache_coordinator import (
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-from vllm.v1.core.state_pool import decode_headroom
+from vllm.v1.core.state_pool import decode_headroom, slab_copy_id_shift
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -911,12 +911,9 @@ class KVCacheManager:
         for mgr in self.coordinator.single_type_managers:
             mgr_copies = mgr.take_pending_cow_copies()
             pending_copies.extend(mgr_copies)
-            # vLLM E2: attention slab blocks travel past the pages' ids.
-            shift = (
-                self.kv_cache_config.num_blocks
-                if mgr.block_pool is self.coordinator.slab_pool
-                else 0
-            )
+            # vLLM E2: attention slab blocks travel past the pages' ids, and
+            # packed states past those (state_pool.py).
+            shift = slab_copy_id_shift(self.coordinator, mgr.block_pool)
             copies += [
                 KVCacheBlockCopy(
                     src_block_id=source_block.block_id + shift,

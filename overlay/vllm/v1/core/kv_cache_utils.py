@@ -1112,6 +1112,9 @@ def get_max_concurrency_for_kv_cache_config(
         if group.blocks_per_page > 1:
             # vLLM E2: an attention slab; k of its blocks fill one page.
             num_blocks_per_request += required / group.blocks_per_page
+        elif isinstance(group.kv_cache_spec, MambaSpec) and kv_cache_config.states_per_page > 1:
+            # vLLM E2: packed states, m to a page.
+            num_blocks_per_request += required / kv_cache_config.states_per_page
         elif group.host_resident:
             host_blocks_per_request += required
         else:

@@ -8,7 +8,9 @@ up to that coarse block. Here the pool keeps upstream's state-sized pages, and
 a page handed to attention is cut into ``blocks_per_page`` blocks of the
 backend's natural size (a slab):
 
-* a request's state takes one page per state group, as upstream;
+* a request's state takes one page per state group, as upstream, or, where a
+  state padded to whole blocks wastes more than 1% (Qwen3.5-0.8B: 2.6%), a
+  slot of a page that packs a few states (a state slab, ``pack_states``);
 * attention takes natural-size blocks; a slab page returns to the pool once
   all its blocks are free, so memory still flows between state and attention
   as the workload changes, which a fixed split sized for max_num_seqs cannot.
@@ -16,8 +18,8 @@ backend's natural size (a slab):
 Three pieces, each used at one place of upstream's code:
 
 * ``cut_attention_slabs``: the planner's last step (``get_kv_cache_configs``);
-  it rewrites the attention groups and their tensors, leaving every byte where
-  upstream placed it.
+  it rewrites the attention groups and their tensors within the layer regions
+  upstream placed (packed states and the slab tail included).
 * ``PagePool`` / ``SlabPool``: the coordinator's block pools; admission is
   counted in pages (``pages_needed``).
 * ``KVCacheTensor.blocks_per_page`` / ``KVCacheGroupSpec.blocks_per_page``:
@@ -156,7 +158,12 @@ def cut_attention_slabs(
     """Every rank's plan with attention slabs (cut_attention_slab), and the
     slab tail the budget's remainder holds on every rank (``spare_bytes``:
     each rank's memory left below one more page; see slab_tail_blocks)."""
-    configs = [cut_attention_slab(vllm_config, c) for c in kv_cache_configs]
+    packed = [
+        pack_states(vllm_config, cut_attention_slab(vllm_config, c))
+        for c in kv_cache_configs
+    ]
+    configs = [c for c, _ in packed]
+    spare_bytes = [spare + freed for spare, (_, freed) in zip(spare_bytes, packed)]
     tail = min(
         (slab_tail_blocks(c, spare) for c, spare in zip(configs, spare_bytes)), default=0
     )
@@ -211,6 +218,101 @@ def cut_attention_slab(
             replace(tensor, block_stride=tensor.block_stride // k, blocks_per_page=k)
         )
     return replace(kv_cache_config, kv_cache_groups=groups, kv_cache_tensors=tensors)
+
+
+# A state padded to whole attention blocks wastes up to a block per state
+# (Qwen3.5-0.8B: 1,085,440 bytes in a 1,114,112-byte page, 2.6%); states packed
+# a few to a page share that padding. Pages grow by the same factor, so the
+# fewest states per page whose padding is at most STATE_PAGE_SLACK of a page.
+STATE_PAGE_SLACK = 0.01
+STATES_PER_PAGE = (1, 2, 4, 8)
+# Bytes between packed states are a multiple of this: the state views' rows
+# stay aligned for the kernels' vector loads, as upstream's padded pages are.
+STATE_STRIDE_ALIGNMENT = 256
+
+
+def states_per_page(state_bytes: int, block_bytes: int) -> int:
+    """States packed in one pool page of whole ``block_bytes`` attention
+    blocks: the fewest of STATES_PER_PAGE that pad at most STATE_PAGE_SLACK
+    of the page, else the least padding (1 is upstream's page)."""
+    padding: dict[int, float] = {}
+    for m in STATES_PER_PAGE:
+        page = cdiv(m * state_bytes, block_bytes) * block_bytes
+        if m == 1 or page % (m * STATE_STRIDE_ALIGNMENT) == 0:
+            padding[m] = 1 - m * state_bytes / page
+    for m, waste in padding.items():
+        if waste <= STATE_PAGE_SLACK:
+            return m
+    return min(padding, key=padding.__getitem__)
+
+
+def pack_states(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[KVCacheConfig, int]:
+    """A slab plan with request states packed ``states_per_page`` to a page,
+    and the bytes that frees below one more page (the slab tail's to take).
+
+    The layer regions keep their bytes: they hold fewer, larger pages, each
+    ``m`` states at a stride of ``page / m`` or ``k`` attention blocks. A plan
+    keeps its pages where the new ones would hold no more states (a pool of a
+    few pages, or a state that fills its blocks) and under
+    ``num_gpu_blocks_override``, whose count is of pages as planned.
+    """
+    k = slab_blocks_per_page(kv_cache_config)
+    regions = _layer_regions(kv_cache_config) if k > 1 else None
+    groups = kv_cache_config.kv_cache_groups
+    state_bytes = {
+        g.kv_cache_spec.real_page_size_bytes
+        for g in groups
+        if isinstance(g.kv_cache_spec, MambaSpec)
+    }
+    if (
+        regions is None
+        or len(state_bytes) != 1
+        or vllm_config.cache_config.num_gpu_blocks_override is not None
+    ):
+        return kv_cache_config, 0
+    pages_bytes, block_bytes, layer_slots = regions
+    (state,) = state_bytes
+    m = states_per_page(state, block_bytes)
+    page = cdiv(m * state, block_bytes) * block_bytes
+    num_pages = pages_bytes // page
+    # m == 1 repacks too where upstream's page is more than whole blocks
+    # (the CPU backend aligns hybrid blocks to 128 tokens, not 16).
+    if num_pages * m <= kv_cache_config.num_blocks:
+        return kv_cache_config, 0
+    blocks_per_page, stride = page // block_bytes, page // m
+    # The worker tells the two kinds of copy apart by their views' block
+    # counts, which differ while a page holds more blocks than states.
+    assert blocks_per_page > m
+    region = num_pages * page
+    packed_groups = [
+        replace(g, blocks_per_page=blocks_per_page)
+        if g.blocks_per_page > 1
+        else replace(g, kv_cache_spec=replace(g.kv_cache_spec, page_size_padded=stride))
+        for g in groups
+    ]
+    tensors = [
+        replace(
+            t,
+            layer_stride=region,
+            size=layer_slots * region,
+            **(
+                {"blocks_per_page": blocks_per_page}
+                if t.blocks_per_page > 1
+                else {"block_stride": stride}
+            ),
+        )
+        for t in kv_cache_config.kv_cache_tensors
+    ]
+    packed = replace(
+        kv_cache_config,
+        num_blocks=num_pages,
+        kv_cache_groups=packed_groups,
+        kv_cache_tensors=tensors,
+        states_per_page=m,
+    )
+    return packed, (pages_bytes - region) * layer_slots
 
 
 def add_slab_tail(kv_cache_config: KVCacheConfig, tail: int) -> KVCacheConfig:
@@ -272,6 +374,24 @@ def slab_num_blocks(kv_cache_config: KVCacheConfig) -> int:
     return kv_cache_config.num_blocks * k + kv_cache_config.slab_tail_blocks
 
 
+def state_num_blocks(kv_cache_config: KVCacheConfig) -> int:
+    """The packed states (0: a state takes a page, or upstream's pool)."""
+    m = kv_cache_config.states_per_page
+    return kv_cache_config.num_blocks * m if m > 1 else 0
+
+
+def slab_copy_id_shift(coordinator: KVCacheCoordinator, pool: BlockPool) -> int:
+    """What a copy's block ids of ``pool`` travel to the worker shifted by:
+    pool pages as they are, attention slab blocks past the pages, packed
+    states past the slab (copy_kv_cache_blocks_inplace splits them apart)."""
+    config = coordinator.kv_cache_config
+    if pool is coordinator.slab_pool:
+        return config.num_blocks
+    if pool is coordinator.state_slab:
+        return config.num_blocks + slab_num_blocks(config)
+    return 0
+
+
 def log_slab_capacity(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, max_concurrency: float
 ) -> None:
@@ -293,9 +413,10 @@ def log_slab_capacity(
     # Every slab block but those of page 0, the null page.
     attention_tokens = (slab_num_blocks(kv_cache_config) - k) * natural
     peak = f" ({peak_pages} while it crosses an align boundary)" if peak_pages > held_pages else ""
+    m = kv_cache_config.states_per_page
     logger.info_once(
         "vLLM E2 state pool: %s pages of %.2f MiB; attention up to %s tokens "
-        "(%d-token blocks, %d per page); request state %d pages%s, at most %s "
+        "(%d-token blocks, %d per page); request state %d %s%s, at most %s "
         "requests; maximum concurrency for %s tokens per request: %.2fx "
         "(state and attention counted)",
         f"{usable:,}",
@@ -304,8 +425,9 @@ def log_slab_capacity(
         natural,
         k,
         held_pages,
+        "pages" if m == 1 else f"states ({m} per page)",
         peak,
-        f"{usable // max(held_pages, 1):,}",
+        f"{usable * m // max(held_pages, 1):,}",
         f"{vllm_config.model_config.max_model_len:,}",
         max_concurrency,
     )
@@ -314,10 +436,10 @@ def log_slab_capacity(
 def request_state_pages(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
 ) -> tuple[int, int]:
-    """Pool pages one request's states take: while it runs (one per state
-    group, and its speculative ones), and at most (`align` mode's boundary
-    step holds one more per group for a step, which upstream's
-    max_memory_usage_bytes counts)."""
+    """States one request takes, each a pool page unless packed: while it
+    runs (one per state group, and its speculative ones), and at most
+    (`align` mode's boundary step holds one more per group for a step, which
+    upstream's max_memory_usage_bytes counts)."""
     held = peak = 0
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -477,10 +599,12 @@ def slab_blocks_to_allocate(
     adds what the running requests may still take. Every call of a saturated
     step comes here, so the groups are told apart by pool, once each: a slab
     model has only full attention and state groups (slab_ineligibility)."""
-    slab = coordinator.slab_pool
+    slab, state_slab = coordinator.slab_pool, coordinator.state_slab
     assert slab is not None
-    pages = slab_new_blocks = 0
+    pages = slab_new = state_new = 0
+    # Free cached blocks a prefix hit touches spend their pages, not new ones.
     slab_touched: list[KVCacheBlock] = []
+    state_touched: list[KVCacheBlock] = []
     for i, manager in enumerate(coordinator.single_type_managers):
         needed = manager.get_num_blocks_to_allocate(
             request_id,
@@ -492,23 +616,33 @@ def slab_blocks_to_allocate(
             apply_admission_cap=apply_admission_cap,
             prefill_end=prefill_end,
         )
-        if manager.block_pool is not slab:
+        pool = manager.block_pool
+        if pool is not slab and pool is not state_slab:
             pages += needed
             continue
-        if new_computed_blocks[i]:
-            # Free cached blocks a prefix hit touches: their pages, not new ones.
-            touched = [
-                b for b in new_computed_blocks[i] if b.ref_cnt == 0 and not b.is_null
-            ]
-            slab_touched += touched
-            needed -= len(touched)
-        if needed > 0:
-            slab_new_blocks += needed
+        hit = (
+            [b for b in new_computed_blocks[i] if b.ref_cnt == 0 and not b.is_null]
+            if new_computed_blocks[i]
+            else ()
+        )
+        needed = max(needed - len(hit), 0)
+        if pool is slab:
+            slab_touched += hit
+            slab_new += needed
+        else:
+            state_touched += hit
+            state_new += needed
     if apply_admission_cap:
-        slab_new_blocks += coordinator.slab_reserved_blocks
-        pages += coordinator.reserved_state_pages + align_boundary_pages(coordinator)
-    if slab_new_blocks or slab_touched:
-        pages += slab.pages_needed(slab_new_blocks, slab_touched)
+        slab_new += coordinator.slab_reserved_blocks
+        states = coordinator.reserved_state_pages + align_boundary_pages(coordinator)
+        if state_slab is None:
+            pages += states
+        else:
+            state_new += states
+    if slab_new or slab_touched:
+        pages += slab.pages_needed(slab_new, slab_touched)
+    if state_slab is not None and (state_new or state_touched):
+        pages += state_slab.pages_needed(state_new, state_touched)
     return pages
 
 
@@ -625,7 +759,7 @@ class SlabPool(BlockPool):
         return self.blocks[page_id * k : (page_id + 1) * k]
 
     def _take_pages(self, num_pages: int) -> None:
-        for page in self.pages.get_new_blocks(num_pages, from_slab=False):
+        for page in self.pages.get_new_blocks(num_pages, for_slab=self):
             self.page_blocks[page.block_id] = page
             self.free_block_queue.append_n(self._page_of(page.block_id))
 
@@ -716,7 +850,7 @@ class SlabPool(BlockPool):
     def get_num_free_blocks(self) -> int:
         return (
             self.free_block_queue.num_free_blocks
-            + self.pages.get_num_free_blocks(with_slab=False) * self.blocks_per_page
+            + self.pages.num_free_pages(for_slab=self) * self.blocks_per_page
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -766,29 +900,48 @@ def super_reset(pool: BlockPool) -> bool:
 
 
 class PagePool(BlockPool):
-    """The pool of state-sized pages: states take pages, the slab takes pages
-    for attention. Pages the slab holds idle count as free and are reclaimed
-    when states or the slab need them."""
+    """The pool of state-sized pages: states take pages (or, packed, slots of
+    a state slab's pages), the attention slab takes pages for attention.
+    Pages a slab holds idle count as free and are reclaimed when another
+    side needs them."""
 
     slab: SlabPool
+    state_slab: SlabPool | None = None
 
     def attach_slab(self, blocks_per_page: int, tail_blocks: int = 0) -> SlabPool:
         self.slab = SlabPool(self, blocks_per_page, tail_blocks)
+        self.slabs = [self.slab]
         self._slab_idle_pages = self.slab.free_block_queue.idle_pages
         return self.slab
 
-    def get_num_free_blocks(self, with_slab: bool = True) -> int:
+    def attach_state_slab(self, states_per_page: int) -> SlabPool:
+        """Request states packed ``states_per_page`` to a page (pack_states)."""
+        self.state_slab = SlabPool(self, states_per_page)
+        self.slabs.append(self.state_slab)
+        return self.state_slab
+
+    def get_num_free_blocks(self) -> int:
         # Read once per request per step by the scheduler: no property chain.
-        if with_slab:
-            return self.free_block_queue.num_free_blocks + len(self._slab_idle_pages)
-        return self.free_block_queue.num_free_blocks
+        free = self.free_block_queue.num_free_blocks + len(self._slab_idle_pages)
+        if self.state_slab is not None:
+            free += len(self.state_slab.free_block_queue.idle_pages)
+        return free
+
+    def num_free_pages(self, for_slab: SlabPool) -> int:
+        """Pages ``for_slab`` can take: free ones and the other slabs' idle ones."""
+        return self.free_block_queue.num_free_blocks + sum(
+            slab.num_idle_pages for slab in self.slabs if slab is not for_slab
+        )
 
     def get_new_blocks(
-        self, num_blocks: int, from_slab: bool = True
+        self, num_blocks: int, for_slab: SlabPool | None = None
     ) -> list[KVCacheBlock]:
-        short = num_blocks - self.free_block_queue.num_free_blocks
-        if short > 0 and from_slab:
-            self.slab.reclaim(short)
+        for slab in self.slabs:
+            short = num_blocks - self.free_block_queue.num_free_blocks
+            if short <= 0:
+                break
+            if slab is not for_slab:
+                slab.reclaim(short)
         return super().get_new_blocks(num_blocks)
 
     def get_usage(self) -> float:
@@ -797,18 +950,27 @@ class PagePool(BlockPool):
         total = self.num_gpu_blocks - 1 + self.slab.tail_blocks / k
         if not total:
             return 0
-        slab_free = self.slab.free_block_queue.num_free_blocks / k
+        slab_free = sum(
+            slab.free_block_queue.num_free_blocks / slab.blocks_per_page
+            for slab in self.slabs
+        )
         return 1.0 - (self.free_block_queue.num_free_blocks + slab_free) / total
 
     def take_events(self):  # type: ignore[no-untyped-def]
-        return super().take_events() + self.slab.take_events()
+        events = super().take_events()
+        for slab in self.slabs:
+            events += slab.take_events()
+        return events
 
     def reset_prefix_cache(self) -> bool:
-        if self.slab.free_block_queue.num_free_blocks != (
-            len(self.slab.page_blocks) * self.slab.blocks_per_page + self.slab.tail_blocks
+        if any(
+            slab.free_block_queue.num_free_blocks
+            != len(slab.page_blocks) * slab.blocks_per_page + slab.tail_blocks
+            for slab in self.slabs
         ):
-            logger.warning("Failed to reset prefix cache: attention blocks in use")
+            logger.warning("Failed to reset prefix cache: blocks in use")
             return False
-        super_reset(self.slab)
-        self.slab.reclaim(len(self.slab.page_blocks))
+        for slab in self.slabs:
+            super_reset(slab)
+            slab.reclaim(len(slab.page_blocks))
         return super().reset_prefix_cache()

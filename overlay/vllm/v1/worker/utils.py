@@ -697,24 +697,34 @@ def copy_kv_cache_blocks_inplace(
     num_blocks: int,
     kv_cache_block_copies: Sequence[KVCacheBlockCopy],
     slab_num_blocks: int = 0,
+    state_num_blocks: int = 0,
 ) -> None:
     if not kv_cache_block_copies:
         return
     if slab_num_blocks:
-        # vLLM E2: ids past num_blocks are attention slab blocks (state_pool.py):
-        # copied block by block in the slab views, whose dim 0 counts them;
+        # vLLM E2 (state_pool.py): ids past num_blocks are attention slab
+        # blocks, and past those packed states (state_num_blocks of them):
+        # each copied block by block in its views, whose dim 0 counts them;
         # the rest are pool pages, copied whole as upstream does.
         kv_caches = list(kv_caches)
-        slab = [
-            KVCacheBlockCopy(c.src_block_id - num_blocks, c.dst_block_id - num_blocks)
-            for c in kv_cache_block_copies
-            if c.src_block_id >= num_blocks
+        kinds = [(num_blocks, slab_num_blocks)]
+        if state_num_blocks:
+            kinds.append((num_blocks + slab_num_blocks, state_num_blocks))
+        for start, count in kinds:
+            copies = [
+                KVCacheBlockCopy(c.src_block_id - start, c.dst_block_id - start)
+                for c in kv_cache_block_copies
+                if start <= c.src_block_id < start + count
+            ]
+            views = [cache for cache in kv_caches if cache.shape[0] == count]
+            copy_kv_cache_blocks_inplace(views, count, copies)
+        kv_cache_block_copies = [
+            c for c in kv_cache_block_copies if c.src_block_id < num_blocks
         ]
-        pages = [c for c in kv_cache_block_copies if c.src_block_id < num_blocks]
-        slab_views = [cache for cache in kv_caches if cache.shape[0] == slab_num_blocks]
-        copy_kv_cache_blocks_inplace(slab_views, slab_num_blocks, slab)
-        kv_cache_block_copies = pages
-        if not pages:
+        # Whole pages through the views that count pages (the state views;
+        # the slab views see the same bytes as blocks).
+        kv_caches = [cache for cache in kv_caches if cache.shape[0] == num_blocks]
+        if not kv_cache_block_copies:
             return
 
     indices_np = np.array(kv_cache_block_copies, dtype=np.int64)
