@@ -620,18 +620,15 @@ def slab_blocks_to_allocate(
         if pool is not slab and pool is not state_slab:
             pages += needed
             continue
-        hit = (
-            [b for b in new_computed_blocks[i] if b.ref_cnt == 0 and not b.is_null]
-            if new_computed_blocks[i]
-            else ()
-        )
-        needed = max(needed - len(hit), 0)
-        if pool is slab:
-            slab_touched += hit
-            slab_new += needed
-        else:
-            state_touched += hit
-            state_new += needed
+        if new_computed_blocks[i]:
+            hit = [b for b in new_computed_blocks[i] if b.ref_cnt == 0 and not b.is_null]
+            (slab_touched if pool is slab else state_touched).extend(hit)
+            needed -= len(hit)
+        if needed > 0:
+            if pool is slab:
+                slab_new += needed
+            else:
+                state_new += needed
     if apply_admission_cap:
         slab_new += coordinator.slab_reserved_blocks
         states = coordinator.reserved_state_pages + align_boundary_pages(coordinator)
@@ -912,20 +909,23 @@ class PagePool(BlockPool):
         self.slab = SlabPool(self, blocks_per_page, tail_blocks)
         self.slabs = [self.slab]
         self._slab_idle_pages = self.slab.free_block_queue.idle_pages
+        self._state_idle_pages: set[int] = set()
         return self.slab
 
     def attach_state_slab(self, states_per_page: int) -> SlabPool:
         """Request states packed ``states_per_page`` to a page (pack_states)."""
         self.state_slab = SlabPool(self, states_per_page)
         self.slabs.append(self.state_slab)
+        self._state_idle_pages = self.state_slab.free_block_queue.idle_pages
         return self.state_slab
 
     def get_num_free_blocks(self) -> int:
         # Read once per request per step by the scheduler: no property chain.
-        free = self.free_block_queue.num_free_blocks + len(self._slab_idle_pages)
-        if self.state_slab is not None:
-            free += len(self.state_slab.free_block_queue.idle_pages)
-        return free
+        return (
+            self.free_block_queue.num_free_blocks
+            + len(self._slab_idle_pages)
+            + len(self._state_idle_pages)
+        )
 
     def num_free_pages(self, for_slab: SlabPool) -> int:
         """Pages ``for_slab`` can take: free ones and the other slabs' idle ones."""
