@@ -258,7 +258,8 @@ def test_capability_must_be_major_minor(capsys):
 
 def test_e2_cuts_attention_at_the_selected_backends_block(e2_capacity, tmp_path):
     """With fp8 on a 3090 (FlashInfer), stock plans 1072-token attention blocks; E2
-    (patch 0002) cuts them into FlashInfer's smallest kernel block, 16, and holds more
+    (patch 0002) cuts them into FlashInfer's smallest kernel block, 16, packs the
+    states two to a page (one pads 66.25 blocks to 67, two fill 133) and holds more
     requests of 4k tokens. The record names the version, digest, command and backend."""
     code, _, err = e2_capacity("--model", MODEL, "--kv-dtype", "fp8", "--lengths", "4096",
                        "--results", str(tmp_path))
@@ -280,9 +281,9 @@ def test_e2_cuts_attention_at_the_selected_backends_block(e2_capacity, tmp_path)
     [stock_attn] = [g for g in stock["planner"]["groups"] if g["kind"] == "FullAttentionSpec"]
     [e2_attn] = [g for g in e2["planner"]["groups"] if g["kind"] == "FullAttentionSpec"]
     assert (stock_attn["block_size"], stock_attn["blocks_per_page"]) == (1072, 1)
-    assert (e2_attn["block_size"], e2_attn["blocks_per_page"]) == (16, 1072 // 16)
-    # the same pool of pages, cut finer
-    assert e2["planner"]["num_blocks"] == stock["planner"]["num_blocks"]
+    assert (e2_attn["block_size"], e2_attn["blocks_per_page"]) == (16, 133)
+    # the same bytes in half as many pages of two states or 133 blocks, cut finer
+    assert e2["planner"]["num_blocks"] == stock["planner"]["num_blocks"] * 67 // 133
     assert "block_size 1072 -> 16" in "; ".join(record["differences"])
     s_row, e_row = stock["workload"][0], e2["workload"][0]
     assert s_row["ideal"] == e_row["ideal"]
@@ -366,9 +367,10 @@ def test_boot_reads_the_engines_kv_line_stock_and_e2(e2_capacity, tmp_path):
     stock, e2 = sides["stock"]["boot"], sides["e2"]["boot"]
     assert stock["kv_line"].startswith("CPU KV cache size: ")
     # 2 GiB of KV on the CPU engine's geometry: stock pads every state page to the
-    # aligned attention page; E2's pages hold one state at its real size, so the
-    # same bytes count 4.8% more tokens (and 22.02x concurrency at 4,096 against 21.00x)
-    assert (stock["tokens"], e2["tokens"]) == (86_016, 90_178)
+    # aligned attention page; E2 packs the states near their real size into pages of
+    # whole 32-token blocks, so the same bytes count 14.0% more tokens (23.94x
+    # concurrency at 4,096 against 21.00x)
+    assert (stock["tokens"], e2["tokens"]) == (86_016, 98_070)
     assert f"{stock['tokens']:,} tokens" in stock["kv_line"]
     assert "## Boot line" in record_file.with_suffix(".md").read_text()
     code, _, err = e2_capacity("--model", MODEL, "--boot", "--tp", "2", "--stock-only",
