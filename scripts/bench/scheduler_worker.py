@@ -214,7 +214,7 @@ def audit(harness: SchedulerHarness) -> dict:
             result[key], slab_clean = _audit_slab(slab)
             # The slab tail (blocks past the last page) is never a pool page: the
             # pool's free count misses a block left in it.
-            result["leaked_blocks"] += slab.num_tail_blocks_in_use
+            result["leaked_blocks"] += result[key]["tail_blocks_in_use"]
             clean &= slab_clean
     # Then (the slab's idle pages handed back) every page but the null page is
     # free in the pool's own queue, and none holds a reference: no state leaked.
@@ -240,6 +240,7 @@ def _audit_slab(slab: Any) -> tuple[dict, bool]:
         "blocks_in_use": in_use,
         "held_pages": len(held),
         "tail_blocks": slab.tail_blocks,
+        "tail_blocks_in_use": tail_in_use,
         # a held page (the tail one too) with a block in use: a leak
         "busy_held_pages": len(busy) + (1 if tail_in_use else 0),
         "reclaimed_pages": reclaimed,

@@ -120,10 +120,11 @@ class KVCacheCoordinator(ABC):
             else None
         )
         # What the running requests may still take: slab blocks for their
-        # decode headroom, pages for align-mode boundary states. Set by the
-        # scheduler before admitting, counted by admission only.
+        # decode headroom, align-mode boundary states (pages, or slots when
+        # states are packed). Set by the scheduler before admitting, counted
+        # by admission only.
         self.slab_reserved_blocks = 0
-        self.reserved_state_pages = 0
+        self.reserved_states = 0
         self.max_model_len = max_model_len
 
         # KV cache group indices that get the EAGLE last-block drop.

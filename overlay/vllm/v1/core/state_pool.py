@@ -231,19 +231,22 @@ STATES_PER_PAGE = (1, 2, 4, 8)
 STATE_STRIDE_ALIGNMENT = 256
 
 
-def states_per_page(state_bytes: int, block_bytes: int) -> int:
+def states_per_page(state_bytes: int, block_bytes: int) -> tuple[int, int]:
     """States packed in one pool page of whole ``block_bytes`` attention
-    blocks: the fewest of STATES_PER_PAGE that pad at most STATE_PAGE_SLACK
-    of the page, else the least padding (1 is upstream's page)."""
-    padding: dict[int, float] = {}
+    blocks, and that page's bytes: the fewest of STATES_PER_PAGE that pad at
+    most STATE_PAGE_SLACK of the page, else the least padding (1 is
+    upstream's page)."""
+    pages: dict[int, int] = {}
     for m in STATES_PER_PAGE:
         page = cdiv(m * state_bytes, block_bytes) * block_bytes
         if m == 1 or page % (m * STATE_STRIDE_ALIGNMENT) == 0:
-            padding[m] = 1 - m * state_bytes / page
-    for m, waste in padding.items():
-        if waste <= STATE_PAGE_SLACK:
-            return m
-    return min(padding, key=padding.__getitem__)
+            pages[m] = page
+    padding = {m: 1 - m * state_bytes / page for m, page in pages.items()}
+    m = next(
+        (m for m, waste in padding.items() if waste <= STATE_PAGE_SLACK),
+        min(padding, key=padding.__getitem__),
+    )
+    return m, pages[m]
 
 
 def pack_states(
@@ -274,8 +277,7 @@ def pack_states(
         return kv_cache_config, 0
     pages_bytes, block_bytes, layer_slots = regions
     (state,) = state_bytes
-    m = states_per_page(state, block_bytes)
-    page = cdiv(m * state, block_bytes) * block_bytes
+    m, page = states_per_page(state, block_bytes)
     num_pages = pages_bytes // page
     # m == 1 repacks too where upstream's page is more than whole blocks
     # (the CPU backend aligns hybrid blocks to 128 tokens, not 16).
@@ -476,8 +478,8 @@ def decode_headroom(request: Request) -> int:
     )
 
 
-def align_boundary_pages(coordinator: KVCacheCoordinator) -> int:
-    """Pages a request may hold beyond one state per group: in mamba `align`
+def align_boundary_states(coordinator: KVCacheCoordinator) -> int:
+    """States a request may hold beyond one per group: in mamba `align`
     mode a state group takes a second block when a request crosses a block
     boundary (its first decode after the prefill checkpoint included) before
     the old one is freed. Upstream's admission does not count it and
@@ -490,8 +492,8 @@ def align_boundary_pages(coordinator: KVCacheCoordinator) -> int:
     )
 
 
-def boundary_state_pages(coordinator: KVCacheCoordinator, request: Request) -> int:
-    """Pages ``request`` may take for align-mode boundary states within its
+def boundary_states(coordinator: KVCacheCoordinator, request: Request) -> int:
+    """States ``request`` may take at align-mode block boundaries within its
     decode headroom: one per align group before its first decode (the state
     leaves the prefill's checkpoint block) or when the headroom crosses a state
     block boundary, and none otherwise."""
@@ -512,25 +514,25 @@ def reserve_running_requests(
     """Set (or, with ``add``, raise) what admission keeps for ``running``: the
     slab blocks of their decode headroom (and the speculative lookahead slots
     each step allocates past it) and their align-mode boundary states."""
-    blocks, pages = _reserve(coordinator, running, lookahead_tokens)
+    blocks, states = _reserve(coordinator, running, lookahead_tokens)
     if add:
         blocks += coordinator.slab_reserved_blocks
-        pages += coordinator.reserved_state_pages
+        states += coordinator.reserved_states
     coordinator.slab_reserved_blocks = blocks
-    coordinator.reserved_state_pages = pages
+    coordinator.reserved_states = states
 
 
 def _reserve(
     coordinator: KVCacheCoordinator, running: Iterable[Request], lookahead_tokens: int = 0
 ) -> tuple[int, int]:
-    """Slab blocks and boundary state pages ``running`` may still take. The
+    """Slab blocks and boundary states ``running`` may still take. The
     scheduler runs it over the whole batch once a step, so the groups are
     sorted out once and decode_headroom is inlined: this loop is the reserve's
     whole cost in a saturated step."""
     slab_blocks = [(m.req_to_blocks, m.block_size) for m in _slab_managers(coordinator)]
     align_blocks = _align_block_sizes(coordinator)
     max_model_len = coordinator.max_model_len
-    blocks = pages = 0
+    blocks = states = 0
     for request in running:
         # Request.num_tokens and num_output_tokens, read without their property
         # calls: they were 40% of this loop.
@@ -551,8 +553,8 @@ def _reserve(
             if need > 0:
                 blocks += need
         if align_blocks:
-            pages += _boundary_pages(num_tokens, num_output_tokens, headroom, align_blocks)
-    return blocks, pages
+            states += _boundary_states(num_tokens, num_output_tokens, headroom, align_blocks)
+    return blocks, states
 
 
 def _slab_managers(coordinator: KVCacheCoordinator) -> list:
@@ -569,7 +571,7 @@ def _align_block_sizes(coordinator: KVCacheCoordinator) -> list[int]:
     ]
 
 
-def _boundary_pages(
+def _boundary_states(
     num_tokens: int, num_output_tokens: int, headroom: int, align_blocks: list[int]
 ) -> int:
     # A state block holds the state of up to ``size`` tokens (the manager
@@ -631,7 +633,7 @@ def slab_blocks_to_allocate(
                 state_new += needed
     if apply_admission_cap:
         slab_new += coordinator.slab_reserved_blocks
-        states = coordinator.reserved_state_pages + align_boundary_pages(coordinator)
+        states = coordinator.reserved_states + align_boundary_states(coordinator)
         if state_slab is None:
             pages += states
         else:
@@ -647,22 +649,28 @@ def slab_blocks_to_allocate(
 
 
 class _PagedFreeQueue(FreeKVCacheBlockQueue):
-    """The slab's free queue, counting free blocks per page as it changes.
+    """The slab's free queue, keeping each page's free blocks as it changes.
 
-    Every BlockPool operation goes through these methods, so the counts stay
-    exact without touching BlockPool's own logic.
+    Every BlockPool operation goes through these methods, so the per-page view
+    stays exact without touching BlockPool's own logic.
     """
 
     def __init__(self, blocks_per_page: int, num_pages: int) -> None:
         super().__init__([])
         self.blocks_per_page = blocks_per_page
         self.free_in_page = [0] * num_pages
+        # Each page's free blocks by id: an allocation takes them without
+        # walking the page's k blocks (133 for Qwen3.5-0.8B's packed pages).
+        self.free_of_page: list[dict[int, KVCacheBlock]] = [{} for _ in range(num_pages)]
         # Pages by their number of free blocks, 1..k (k: idle pages).
         self.pages_with_free: list[set[int]] = [set() for _ in range(blocks_per_page + 1)]
         self.idle_pages = self.pages_with_free[blocks_per_page]
         # Pages whose last block came free since the slab last looked: what a
         # free may hand back, without walking the freed blocks again.
         self.newly_idle: set[int] = set()
+        # No page has fewer free blocks than this: the search for the fullest
+        # page starts here instead of walking up to k empty buckets.
+        self._fewest_free_hint = 1
 
     def _move_page(self, page: int, change: int) -> None:
         before = self.free_in_page[page]
@@ -672,11 +680,46 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
             self.pages_with_free[before].discard(page)
         if after:
             self.pages_with_free[after].add(page)
+            if after < self._fewest_free_hint:
+                self._fewest_free_hint = after
             if after == self.blocks_per_page:
                 self.newly_idle.add(page)
 
+    def take_from_fullest_page(self, n: int) -> list[KVCacheBlock]:
+        """Up to ``n`` free blocks of the page with the fewest free blocks but
+        one at least (the queue must hold a free block): pages empty out whole."""
+        by_free = self.pages_with_free
+        fewest = self._fewest_free_hint
+        while not by_free[fewest]:
+            fewest += 1
+        self._fewest_free_hint = fewest
+        page = next(iter(by_free[fewest]))
+        free = self.free_of_page[page]
+        blocks = list(itertools.islice(free.values(), n))
+        for block in blocks:
+            FreeKVCacheBlockQueue.remove(self, block)
+            del free[block.block_id]
+        self._move_page(page, -len(blocks))
+        return blocks
+
+    def remove_idle_page(self, page: int) -> list[KVCacheBlock]:
+        """Unlink every block of idle ``page`` (all k free) and return them."""
+        free = self.free_of_page[page]
+        blocks = list(free.values())
+        assert len(blocks) == self.blocks_per_page
+        for block in blocks:
+            FreeKVCacheBlockQueue.remove(self, block)
+        free.clear()
+        self._move_page(page, -len(blocks))
+        return blocks
+
     def _count(self, block: KVCacheBlock, delta: int) -> None:
-        self._move_page(block.block_id // self.blocks_per_page, delta)
+        page = block.block_id // self.blocks_per_page
+        if delta > 0:
+            self.free_of_page[page][block.block_id] = block
+        else:
+            del self.free_of_page[page][block.block_id]
+        self._move_page(page, delta)
 
     def popleft(self) -> KVCacheBlock:
         block = super().popleft()
@@ -686,10 +729,16 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
     def _count_n(self, blocks: list[KVCacheBlock], delta: int) -> None:
         # A request's blocks come and go a page at a time: move each page once.
         k = self.blocks_per_page
+        free_of_page = self.free_of_page
         per_page: dict[int, int] = {}
         for block in blocks:
-            page = block.block_id // k
+            block_id = block.block_id
+            page = block_id // k
             per_page[page] = per_page.get(page, 0) + delta
+            if delta > 0:
+                free_of_page[page][block_id] = block
+            else:
+                del free_of_page[page][block_id]
         for page, change in per_page.items():
             self._move_page(page, change)
 
@@ -763,8 +812,7 @@ class SlabPool(BlockPool):
     def _give_back(self, page_ids: Iterable[int]) -> None:
         pages = []
         for page_id in list(page_ids):
-            for block in self._page_of(page_id):
-                self.free_block_queue.remove(block)
+            for block in self.free_block_queue.remove_idle_page(page_id):
                 self._maybe_evict_cached_block(block)
             pages.append(self.page_blocks.pop(page_id))
         if pages:
@@ -816,19 +864,10 @@ class SlabPool(BlockPool):
         short = num_blocks - queue.num_free_blocks
         if short > 0:
             self._take_pages(cdiv(short, k))
-        by_free = queue.pages_with_free
         picked: list[KVCacheBlock] = []
         while len(picked) < num_blocks:
             # The fullest page that has a free block: pages empty out whole.
-            fewest = 1
-            while not by_free[fewest]:
-                fewest += 1
-            for block in self._page_of(next(iter(by_free[fewest]))):
-                if block.prev_free_block is not None:
-                    queue.remove(block)
-                    picked.append(block)
-                    if len(picked) == num_blocks:
-                        break
+            picked += queue.take_from_fullest_page(num_blocks - len(picked))
         if self._reuse_watchers:
             self._notify_reuse(picked)
         for block in picked:
