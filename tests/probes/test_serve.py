@@ -185,10 +185,10 @@ def test_cases_follow_the_block_size_and_capacity():
     over = big[-2]
     assert over.name == "oversubscribed"
     assert over.concurrent and len(over.prompts) * (len(over.prompts[0]) + over.max_tokens) > 4 * 3000
-    # The short case: an eighth of the block in and out, max_num_seqs of them.
+    # The short case: an eighth of the block in, a sixteenth out, max_num_seqs of them.
     short = big[-1]
     assert (short.name, short.expect, short.max_tokens) == ("oversubscribed-short",
-                                                            "more_running", 32)
+                                                            "more_running", 16)
     assert [len(p) for p in short.prompts] == [32] * serve_settings.MAX_NUM_SEQS
     shared = min(3 * 256, serve_settings.MAX_MODEL_LEN // 2)  # three blocks, within max-model-len
     prefix = big[15]

@@ -122,9 +122,12 @@ class KVCacheCoordinator(ABC):
         # What the running requests may still take: slab blocks for their
         # decode headroom, align-mode boundary states (pages, or slots when
         # states are packed). Set by the scheduler before admitting, counted
-        # by admission only.
+        # by admission only; a bound until counted exactly (reserve_exact),
+        # over the requests and lookahead in reserve_running.
         self.slab_reserved_blocks = 0
         self.reserved_states = 0
+        self.reserve_exact = True
+        self.reserve_running: tuple[list, int] = ([], 0)
         self.max_model_len = max_model_len
 
         # KV cache group indices that get the EAGLE last-block drop.

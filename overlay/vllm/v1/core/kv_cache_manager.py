@@ -16,7 +16,11 @@ from vllm.v1.core.kv_cache_coordinator import (
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-from vllm.v1.core.state_pool import decode_headroom, slab_copy_id_shift
+from vllm.v1.core.state_pool import (
+    count_reserve_exactly,
+    decode_headroom,
+    slab_copy_id_shift,
+)
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -531,20 +535,25 @@ class KVCacheManager:
                     full_num_tokens + num_lookahead_tokens, self.max_model_len
                 )
 
-            num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
-                request_id=request.request_id,
-                num_tokens=full_num_slots,
-                new_computed_blocks=new_computed_block_list,
-                num_encoder_tokens=num_encoder_tokens,
-                total_computed_tokens=total_computed_tokens,
-                num_local_computed_tokens=num_local_computed_tokens,
-                num_tokens_main_model=full_num_tokens,
-                apply_admission_cap=True,
-                prefill_end=prefill_end,
-            )
-            required_blocks = num_blocks_to_allocate + watermark_blocks
-            if required_blocks > self.block_pool.get_num_free_blocks():
-                return None
+            while True:
+                num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
+                    request_id=request.request_id,
+                    num_tokens=full_num_slots,
+                    new_computed_blocks=new_computed_block_list,
+                    num_encoder_tokens=num_encoder_tokens,
+                    total_computed_tokens=total_computed_tokens,
+                    num_local_computed_tokens=num_local_computed_tokens,
+                    num_tokens_main_model=full_num_tokens,
+                    apply_admission_cap=True,
+                    prefill_end=prefill_end,
+                )
+                required_blocks = num_blocks_to_allocate + watermark_blocks
+                if required_blocks <= self.block_pool.get_num_free_blocks():
+                    break
+                # vLLM E2: a bound on the running requests' reserve is
+                # counted exactly before it refuses a request (state_pool.py).
+                if not count_reserve_exactly(self.coordinator):
+                    return None
 
         num_tokens_main_model = total_computed_tokens + num_new_tokens
         num_tokens_need_slot = min(

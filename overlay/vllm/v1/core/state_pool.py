@@ -522,6 +522,40 @@ def reserve_running_requests(
     coordinator.reserved_states = states
 
 
+def bound_running_reserve(
+    coordinator: KVCacheCoordinator,
+    running: list[Request],
+    lookahead_tokens: int = 0,
+    tokens_per_step: int = 1,
+) -> None:
+    """A step's bound on what ``running`` may still take, without a pass over
+    the batch: the reserve last set, plus what one step's scheduling can add.
+    A request's horizon (its tokens and decode headroom) moves on by at most
+    the ``tokens_per_step`` a step appends while its held blocks grow to cover
+    what was scheduled, so its slab blocks still to take grow by at most
+    ``1 + tokens_per_step // block_size`` a group; it holds at most one
+    boundary state per align group. Admission counts the reserve exactly only
+    where the bound would refuse a request (count_reserve_exactly), so what is
+    admitted is what an exact count admits."""
+    coordinator.slab_reserved_blocks += len(running) * sum(
+        1 + tokens_per_step // manager.block_size for manager in _slab_managers(coordinator)
+    )
+    coordinator.reserved_states = len(running) * len(_align_block_sizes(coordinator))
+    coordinator.reserve_exact = False
+    coordinator.reserve_running = (running, lookahead_tokens)
+
+
+def count_reserve_exactly(coordinator: KVCacheCoordinator) -> bool:
+    """Replace a bound on the running requests' reserve by its exact count;
+    False where it was exact already (upstream's pool too): a refusal stands."""
+    if coordinator.reserve_exact:
+        return False
+    running, lookahead_tokens = coordinator.reserve_running
+    reserve_running_requests(coordinator, running, lookahead_tokens=lookahead_tokens)
+    coordinator.reserve_exact = True
+    return True
+
+
 def _reserve(
     coordinator: KVCacheCoordinator, running: Iterable[Request], lookahead_tokens: int = 0
 ) -> tuple[int, int]:
@@ -655,13 +689,17 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
     stays exact without touching BlockPool's own logic.
     """
 
-    def __init__(self, blocks_per_page: int, num_pages: int) -> None:
+    def __init__(
+        self, blocks: list[KVCacheBlock], blocks_per_page: int, num_pages: int
+    ) -> None:
         super().__init__([])
+        self.blocks = blocks  # the slab's, by id
         self.blocks_per_page = blocks_per_page
         self.free_in_page = [0] * num_pages
-        # Each page's free blocks by id: an allocation takes them without
-        # walking the page's k blocks (133 for Qwen3.5-0.8B's packed pages).
-        self.free_of_page: list[dict[int, KVCacheBlock]] = [{} for _ in range(num_pages)]
+        # Each page's free blocks as bits (bit i: the page's block i): an
+        # allocation takes the lowest ids without walking the page's k blocks
+        # (133 for Qwen3.5-0.8B's packed pages).
+        self.free_bits = [0] * num_pages
         # Pages by their number of free blocks, 1..k (k: idle pages).
         self.pages_with_free: list[set[int]] = [set() for _ in range(blocks_per_page + 1)]
         self.idle_pages = self.pages_with_free[blocks_per_page]
@@ -694,31 +732,33 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
             fewest += 1
         self._fewest_free_hint = fewest
         page = next(iter(by_free[fewest]))
-        free = self.free_of_page[page]
-        blocks = list(itertools.islice(free.values(), n))
-        for block in blocks:
+        bits = self.free_bits[page]
+        first = page * self.blocks_per_page
+        blocks = []
+        for _ in range(min(n, fewest)):
+            lowest = bits & -bits
+            bits ^= lowest
+            block = self.blocks[first + lowest.bit_length() - 1]
             FreeKVCacheBlockQueue.remove(self, block)
-            del free[block.block_id]
+            blocks.append(block)
+        self.free_bits[page] = bits
         self._move_page(page, -len(blocks))
         return blocks
 
     def remove_idle_page(self, page: int) -> list[KVCacheBlock]:
         """Unlink every block of idle ``page`` (all k free) and return them."""
-        free = self.free_of_page[page]
-        blocks = list(free.values())
-        assert len(blocks) == self.blocks_per_page
+        k = self.blocks_per_page
+        assert self.free_in_page[page] == k
+        blocks = self.blocks[page * k : (page + 1) * k]
         for block in blocks:
             FreeKVCacheBlockQueue.remove(self, block)
-        free.clear()
-        self._move_page(page, -len(blocks))
+        self.free_bits[page] = 0
+        self._move_page(page, -k)
         return blocks
 
     def _count(self, block: KVCacheBlock, delta: int) -> None:
-        page = block.block_id // self.blocks_per_page
-        if delta > 0:
-            self.free_of_page[page][block.block_id] = block
-        else:
-            del self.free_of_page[page][block.block_id]
+        page, index = divmod(block.block_id, self.blocks_per_page)
+        self.free_bits[page] ^= 1 << index  # a block comes (delta 1) or goes (-1)
         self._move_page(page, delta)
 
     def popleft(self) -> KVCacheBlock:
@@ -729,18 +769,20 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
     def _count_n(self, blocks: list[KVCacheBlock], delta: int) -> None:
         # A request's blocks come and go a page at a time: move each page once.
         k = self.blocks_per_page
-        free_of_page = self.free_of_page
-        per_page: dict[int, int] = {}
+        # Per page: the bits of the blocks that come or go, and how many.
+        changed: dict[int, list[int]] = {}
         for block in blocks:
-            block_id = block.block_id
-            page = block_id // k
-            per_page[page] = per_page.get(page, 0) + delta
-            if delta > 0:
-                free_of_page[page][block_id] = block
+            page, index = divmod(block.block_id, k)
+            entry = changed.get(page)
+            if entry is None:
+                changed[page] = [1 << index, 1]
             else:
-                del free_of_page[page][block_id]
-        for page, change in per_page.items():
-            self._move_page(page, change)
+                entry[0] |= 1 << index
+                entry[1] += 1
+        free_bits = self.free_bits
+        for page, (bits, count) in changed.items():
+            free_bits[page] ^= bits
+            self._move_page(page, count * delta)
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         blocks = super().popleft_n(n)
@@ -792,7 +834,9 @@ class SlabPool(BlockPool):
         for block in self.blocks:
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = _PagedFreeQueue(
-            blocks_per_page, pages.num_gpu_blocks + (1 if tail_blocks else 0)
+            self.blocks,
+            blocks_per_page,
+            pages.num_gpu_blocks + (1 if tail_blocks else 0),
         )
         self.page_blocks: dict[int, KVCacheBlock] = {}  # held page id -> its block
         self.tail_blocks = tail_blocks

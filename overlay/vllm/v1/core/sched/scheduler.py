@@ -53,7 +53,7 @@ from vllm.v1.core.sched.request_queue import (
     create_request_queue,
 )
 from vllm.v1.core.sched.utils import check_stop, remove_all
-from vllm.v1.core.state_pool import reserve_running_requests
+from vllm.v1.core.state_pool import bound_running_reserve, reserve_running_requests
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
@@ -872,9 +872,16 @@ class Scheduler(SchedulerInterface):
 
         # Next, schedule the WAITING requests.
         # vLLM E2: admission keeps what the running requests may still take,
-        # counted once per step at the first admission (state_pool.py).
+        # bounded once a step and counted only where the bound would refuse
+        # a request (state_pool.py).
         coordinator = self.kv_cache_manager.coordinator
-        reserve_counted = coordinator.slab_pool is None
+        if coordinator.slab_pool is not None:
+            bound_running_reserve(
+                coordinator,
+                self.running,
+                lookahead_tokens=self.num_lookahead_tokens,
+                tokens_per_step=1 + self.num_spec_tokens,
+            )
         if not preempted_reqs and self._pause_state == PauseState.UNPAUSED:
             step_skipped_waiting: deque[Request] = deque()
             step_skipped_kv_holding: deque[Request] = deque()
@@ -1211,13 +1218,6 @@ class Scheduler(SchedulerInterface):
                 # Replayed tokens are already counted in the adopted hit; a
                 # chunk that ends inside the replayed range needs no new slots.
                 num_tokens_past_hit = max(num_new_tokens - num_replay_tokens, 0)
-                if not reserve_counted:
-                    reserve_running_requests(
-                        coordinator,
-                        self.running,
-                        lookahead_tokens=self.num_lookahead_tokens,
-                    )
-                    reserve_counted = True
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request,
                     num_tokens_past_hit,
