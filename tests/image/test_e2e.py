@@ -85,9 +85,9 @@ def test_serve_probe_docker_path_matches_on_the_cpu_images(project, cpu_base, tm
     # the oversubscribed case makes stock preempt; E2 preempts no more than stock
     over = [side["cases"]["oversubscribed"]["preemptions"] for side in (stock, e2)]
     assert over[0] > 0 and over[1] <= over[0], over
-    # the running gauge is read inside each container, on both sides
-    assert all(side["cases"][case]["peak_running"] >= 1 for side in (stock, e2)
-               for case in ("oversubscribed", "oversubscribed-short"))
+    # both sides count their steps; E2 runs more short requests per step
+    short = [side["cases"]["oversubscribed-short"]["mean_running"] for side in (stock, e2)]
+    assert 1 <= short[0] < short[1], short
     assert record["header"]["settings"]["modes"] == ["sync"]
     assert [list(record["sides"][side]["modes"]) for side in ("stock", "e2")] == [["sync"]] * 2
 

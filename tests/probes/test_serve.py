@@ -69,9 +69,10 @@ def test_cpu_probe_stock_and_e2_match_on_every_case(probe_run):
         demand = sum(r["prompt_tokens"] for r in over["requests"]) + \
             over["max_tokens"] * len(over["requests"])
         assert demand > engine["kv_capacity_tokens"]
-        # the running gauge, sampled through the case: some ran, never all at once
-        assert 1 <= over["peak_running"] < len(over["requests"])
-        assert 1 <= over["mean_running"] <= over["peak_running"]
+        # per engine step (its own counters): some ran, never all at once; the gauge's
+        # readings are a floor that never passes the requests posted
+        assert 1 <= over["mean_running"] < len(over["requests"])
+        assert 0 <= over["peak_running"] < len(over["requests"])
         preemptions[side] = over["preemptions"]
         for case in cases.values():
             assert all(serve_compare.complete(r, case["max_tokens"]) for r in case["requests"])
@@ -81,7 +82,6 @@ def test_cpu_probe_stock_and_e2_match_on_every_case(probe_run):
     # requests far shorter than stock's block: E2's natural blocks run more at once
     short = {side: record["sides"][side]["modes"]["sync"]["cases"]["oversubscribed-short"]
              for side in serve_settings.SIDES}
-    assert short["e2"]["peak_running"] > short["stock"]["peak_running"]
     assert short["e2"]["mean_running"] > short["stock"]["mean_running"]
     assert short["e2"]["preemptions"] <= short["stock"]["preemptions"]
     e2_block = record["sides"]["e2"]["modes"]["sync"]["engine"]["block_size"]
@@ -150,18 +150,29 @@ def test_e2_running_no_more_short_requests_than_stock_fails(probe_run, tmp_path,
     record = copy.deepcopy(probe_run["record"])
     stock = record["sides"]["stock"]["modes"]["sync"]["cases"]["oversubscribed-short"]
     e2 = record["sides"]["e2"]["modes"]["sync"]["cases"]["oversubscribed-short"]
-    e2["peak_running"] = stock["peak_running"]
+    e2["mean_running"] = stock["mean_running"]
     code, _, err = _rejudge(record, tmp_path, capsys)
     assert code == 1
-    assert f"e2 ran {stock['peak_running']} requests at most, stock" in err
+    assert f"e2 ran {stock['mean_running']} requests per step, stock" in err
 
 
-def test_a_running_gauge_never_read_fails_as_unmeasured(probe_run, tmp_path, capsys):
+def test_a_gauge_that_missed_the_run_is_reported_not_judged(probe_run, tmp_path, capsys):
+    """A short case can finish between two readings of the running gauge (stock's
+    16+8 case on a 2-core host): the verdict stands on the engine's step counters."""
+    record = copy.deepcopy(probe_run["record"])
+    stock = record["sides"]["stock"]["modes"]["sync"]["cases"]["oversubscribed-short"]
+    stock["peak_running"] = 0
+    code, judged, _ = _rejudge(record, tmp_path, capsys)
+    assert code == 0 and judged["ok"]
+    assert "gauge read none" in (tmp_path / "serve-control.md").read_text()
+
+
+def test_a_case_without_a_counted_step_fails_as_unmeasured(probe_run, tmp_path, capsys):
     record = copy.deepcopy(probe_run["record"])
     e2 = record["sides"]["e2"]["modes"]["sync"]["cases"]["oversubscribed"]
-    e2["peak_running"], e2["mean_running"] = 0, 0.0
+    e2["mean_running"] = 0.0
     code, _, err = _rejudge(record, tmp_path, capsys)
-    assert code == 1 and "e2: no reading of vllm:num_requests_running" in err
+    assert code == 1 and "e2: the engine counted no step with a running request" in err
 
 
 def test_an_e2_side_without_the_overlay_fails(probe_run, tmp_path, capsys):

@@ -114,8 +114,9 @@ def _compare_case(mode: str, name: str, s_case: dict, e_case: dict, kv: dict) ->
         elif expect in ("preemptions", "more_running"):
             exercised[side] = f"{case['preemptions']} preemptions"
             if case.get("peak_running") is not None:
+                peak = case["peak_running"]
                 exercised[side] += (f", {case['mean_running']} running per step, "
-                                    f"{case['peak_running']} at most")
+                                    + (f"{peak} at most" if peak else "gauge read none"))
             problems += _concurrency_problems(expect, side, case, s_case)
     return Row(mode, name, n, done, tokens, matched, exercised, kv, None, problems)
 
@@ -124,11 +125,16 @@ def _concurrency_problems(expect: str, side: str, case: dict, s_case: dict) -> l
     """A concurrent case's path: stock preempts and resumes (``preemptions``);
     E2, which admits with the room its requests will take, never preempts more
     than stock; and where the case is built for it (``more_running``), E2 runs
-    more requests at once than stock, at its peak and per engine step."""
+    more requests per engine step than stock.
+
+    Requests per step come from the engine's own counters, so they follow the
+    schedule alone; the running gauge's peak is only as good as the readings that
+    landed while the requests ran (a short case can finish between two), so it is
+    reported and never judged."""
     problems = []
-    if case.get("peak_running") == 0:  # the gauge never read a running request: unmeasured
-        problems.append(f"{side}: no reading of vllm:num_requests_running while its "
-                        "requests ran")
+    if not case.get("mean_running"):  # no step counted while the requests ran: unmeasured
+        problems.append(f"{side}: the engine counted no step with a running request "
+                        "(vllm:generation_tokens_total over vllm:iteration_tokens_total)")
     if expect == "preemptions" and side == "stock" and case["preemptions"] <= 0:
         problems.append("stock: no preemption (vllm:num_preemptions)")
     if side != "e2":
@@ -136,11 +142,10 @@ def _concurrency_problems(expect: str, side: str, case: dict, s_case: dict) -> l
     if case["preemptions"] > s_case["preemptions"]:
         problems.append(f"e2 preempted {case['preemptions']} times, stock "
                         f"{s_case['preemptions']}")
-    if expect == "more_running":
-        for what, key in (("at most", "peak_running"), ("per step", "mean_running")):
-            if (case.get(key) or 0) <= (s_case.get(key) or 0):
-                problems.append(f"e2 ran {case.get(key)} requests {what}, stock "
-                                f"{s_case.get(key)}: no more at once")
+    if expect == "more_running" and (case.get("mean_running") or 0) <= (
+            s_case.get("mean_running") or 0):
+        problems.append(f"e2 ran {case.get('mean_running')} requests per step, stock "
+                        f"{s_case.get('mean_running')}: no more at once")
     return problems
 
 
