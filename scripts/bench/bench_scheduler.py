@@ -9,8 +9,11 @@ KV cache is planned from a zoo config.json as a CUDA boot would plan it.
 
 * Step time: one worker per side stays up; the driver alternates short rounds
   between them (stock-E2, then E2-stock), so a shared machine's changing load
-  hits both sides alike. Reported: the median step time per side and the
-  median of the per-round ratios (target <= 1.05).
+  hits both sides alike, and does so with several fresh pairs of workers in
+  turn (--pairs), the two of a pair with the same hash seed and each pair
+  with its own, so no one process's dict layout sets the figure.
+  Reported: the median step time per side and the median of the paired steps'
+  ratios over all pairs (target <= 1.05), with each pair's ratio.
 * Soak: N seeded requests of random length arriving in bursts (shared
   prefixes, client aborts, mamba cache mode `align` with prefix caching, a
   pool small enough to preempt), stepped to the end on each side. Every
@@ -83,8 +86,11 @@ class Worker:
     """scheduler_worker.py on one side; JSON lines come back on a pipe of their own."""
 
     def __init__(self, runtime: Runtime, side: str, mode: str, bench: StepBench | Soak,
-                 log_dir: Path, extra: list[str]):
+                 log_dir: Path, extra: list[str], hash_seed: int | None = None):
         self.side = side
+        env = runtime.env(side)
+        if hash_seed is not None:
+            env["PYTHONHASHSEED"] = str(hash_seed)
         self.log = log_dir / f"{mode}-{side}.log"
         read_fd, write_fd = os.pipe()
         command = [str(runtime.python), str(WORKER), mode, "--model", str(ZOO / bench.model),
@@ -96,7 +102,7 @@ class Worker:
         with self.log.open("w") as log:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                env=runtime.env(side), cwd=log_dir, pass_fds=(write_fd,), text=True)
+                env=env, cwd=log_dir, pass_fds=(write_fd,), text=True)
         os.close(write_fd)
         self.results: IO[str] = os.fdopen(read_fd)
 
@@ -158,8 +164,9 @@ def expected_pool(runtime: Runtime, side: str) -> str:
 
 
 def start_both(runtime: Runtime, mode: str, bench: StepBench | Soak, log_dir: Path,
-               extra: list[str]) -> dict[str, Worker]:
-    workers = {side: Worker(runtime, side, mode, bench, log_dir, extra) for side in SIDES}
+               extra: list[str], hash_seed: int | None = None) -> dict[str, Worker]:
+    workers = {side: Worker(runtime, side, mode, bench, log_dir, extra, hash_seed)
+               for side in SIDES}
     try:
         for worker in workers.values():
             hello = worker.receive()
@@ -179,8 +186,37 @@ def start_both(runtime: Runtime, mode: str, bench: StepBench | Soak, log_dir: Pa
 
 
 def run_steps(runtime: Runtime, bench: StepBench, rounds: int, steps: int, warmup: int,
-              log_dir: Path) -> dict:
-    workers = start_both(runtime, "steps", bench, log_dir, [])
+              log_dir: Path, pairs: int = 1) -> dict:
+    """Step times of ``pairs`` pairs of workers, one pair after the other, each
+    pair's rounds interleaved. A process's string hashes (its request ids' places
+    in the scheduler's dicts) follow its hash seed and shift its step times by
+    a few percent either way for its whole life: the two workers of a pair share
+    one seed, and each pair has its own, so the ratio is of like against like
+    and no one seed sets it (the same code on both sides: pairs within 0.02 of
+    1 with a shared seed, 0.95-1.00 without)."""
+    cpu: dict[str, list[list[float]]] = {side: [] for side in SIDES}
+    wall: dict[str, list[list[float]]] = {side: [] for side in SIDES}
+    pair_ratios = []
+    for seed in range(pairs):
+        pair = _run_pair(runtime, bench, rounds, steps, warmup, log_dir, seed)
+        for side in SIDES:
+            cpu[side] += pair["cpu"][side]
+            wall[side] += pair["wall"][side]
+        pair_ratios.append(step_ratio(pair["cpu"]["stock"], pair["cpu"]["e2"])["ratio"])
+    figures = step_ratio(cpu["stock"], cpu["e2"])
+    figures["wall"] = step_ratio(wall["stock"], wall["e2"])
+    figures["pair_ratios"] = pair_ratios
+    figures["batch"] = pair["batch"]
+    for side in SIDES:
+        for key in ("preemptions", "usage", "waiting"):
+            figures[f"{side}_{key}"] = pair["last"][side][key]
+        figures[f"{side}_num_blocks"] = pair["planners"][side]["num_blocks"]
+    return figures
+
+
+def _run_pair(runtime: Runtime, bench: StepBench, rounds: int, steps: int, warmup: int,
+              log_dir: Path, hash_seed: int) -> dict:
+    workers = start_both(runtime, "steps", bench, log_dir, [], hash_seed)
     try:
         planners = {side: w.receive()["planner"] for side, w in workers.items()}
         for worker in workers.values():
@@ -210,15 +246,8 @@ def run_steps(runtime: Runtime, bench: StepBench, rounds: int, steps: int, warmu
                       "requests/tokens): the step times do not pair",
                       hint="give the step benchmark a budget where the batch, not the "
                            "pool, binds on both sides")
-    figures = step_ratio(cpu["stock"], cpu["e2"])
-    figures["wall"] = step_ratio(wall["stock"], wall["e2"])
-    figures["batch"] = sum(b for b, _ in schedule["stock"]) / len(schedule["stock"])
-    for side in SIDES:
-        figures[f"{side}_preemptions"] = last[side]["preemptions"]
-        figures[f"{side}_usage"] = last[side]["usage"]
-        figures[f"{side}_waiting"] = last[side]["waiting"]
-        figures[f"{side}_num_blocks"] = planners[side]["num_blocks"]
-    return figures
+    return {"cpu": cpu, "wall": wall, "last": last, "planners": planners,
+            "batch": sum(b for b, _ in schedule["stock"]) / len(schedule["stock"])}
 
 
 def run_soak(runtime: Runtime, soak: Soak, log_dir: Path) -> dict[str, dict]:
@@ -286,9 +315,11 @@ def soak_problems(side: str, result: dict) -> list[str]:
 
 def print_steps(bench: StepBench, figures: dict, steps: int) -> bool:
     ok = figures["ratio"] <= STEP_TARGET
+    pairs = len(figures["pair_ratios"])
     print(f"scheduler step, {bench.model}, {bench.budget_gib:g} GiB, {bench.max_num_seqs} seqs, "
-          f"mamba cache {bench.mamba_cache_mode}, saturated; {figures['rounds']} rounds of "
-          f"{steps} steps a side, interleaved")
+          f"mamba cache {bench.mamba_cache_mode}, saturated; {pairs} worker pair"
+          f"{'s' if pairs > 1 else ''}, {figures['rounds'] // pairs} rounds of {steps} steps "
+          "a side each, interleaved")
     wall = figures["wall"]
     print(f"  stock  schedule+update  {figures['stock_median']:6.2f} ms CPU/step (median; "
           f"wall {wall['stock_median']:.2f})   (baseline)")
@@ -299,6 +330,7 @@ def print_steps(bench: StepBench, figures: dict, steps: int) -> bool:
           f"{figures['batch']:.0f} on both, KV usage at the end {figures['stock_usage']:.0%} "
           f"stock, {figures['e2_usage']:.0%} E2); round ratios "
           f"{figures['round_ratio_min']:.2f}..{figures['round_ratio_max']:.2f}, "
+          f"pair ratios {', '.join(f'{r:.3f}' for r in figures['pair_ratios'])}, "
           f"wall {wall['ratio']:.3f}")
     return ok
 
@@ -357,6 +389,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=20, help="step-time rounds a side")
     parser.add_argument("--steps", type=int, default=50, help="steps per round")
     parser.add_argument("--warmup", type=int, default=200, help="untimed steps first")
+    parser.add_argument("--pairs", type=int, default=5,
+                        help="fresh stock/E2 worker pairs, one after the other")
     parser.add_argument("--soak-requests", type=int, default=Soak.requests)
     parser.add_argument("--seed", type=int, default=0, help="the soak's seed")
     parser.add_argument("--only", choices=("steps", "soak", "faults"), help="run one part")
@@ -369,9 +403,10 @@ def main() -> int:
                         help="e2's cache directory, where the test env is (default "
                              "$XDG_CACHE_HOME/vllm-e2)")
     args = parser.parse_args()
-    if min(args.rounds, args.steps, args.soak_requests, args.fault_requests) < 1 \
+    if min(args.rounds, args.steps, args.pairs, args.soak_requests, args.fault_requests) < 1 \
             or args.warmup < 0:
-        parser.error("--rounds, --steps, --soak-requests and --fault-requests must be positive")
+        parser.error("--rounds, --steps, --pairs, --soak-requests and --fault-requests must "
+                     "be positive")
     bench = StepBench()
     soak = Soak(requests=args.soak_requests,
                 workload=WorkloadSpec(**{**asdict(Soak().workload), "seed": args.seed}))
@@ -384,7 +419,7 @@ def main() -> int:
             ok = True
             if args.only in (None, "steps"):
                 figures = run_steps(runtime, bench, args.rounds, args.steps, args.warmup,
-                                    Path(tmp))
+                                    Path(tmp), pairs=args.pairs)
                 ok &= print_steps(bench, figures, args.steps)
             if args.only in (None, "soak"):
                 ok &= print_soak(soak, run_soak(runtime, soak, Path(tmp)))

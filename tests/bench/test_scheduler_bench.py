@@ -143,8 +143,10 @@ def test_audit_sees_a_stray_slab_block(audit_probe):
 
 def test_step_bench_pairs_the_two_sides(runtime, tmp_path):
     figures = bench_scheduler.run_steps(runtime, StepBench(), rounds=2, steps=4, warmup=10,
-                                        log_dir=tmp_path)
-    assert figures["steps"] == 8 and figures["rounds"] == 2
+                                        log_dir=tmp_path, pairs=2)
+    # two fresh pairs of workers, their rounds pooled
+    assert figures["steps"] == 16 and figures["rounds"] == 4
+    assert len(figures["pair_ratios"]) == 2
     assert figures["batch"] > 0
     assert figures["stock_median"] > 0 and figures["e2_median"] > 0
     assert 0.2 < figures["ratio"] < 5

@@ -29,7 +29,7 @@ Three pieces, each used at one place of upstream's code:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -683,16 +683,19 @@ def slab_blocks_to_allocate(
 
 
 class _PagedFreeQueue(FreeKVCacheBlockQueue):
-    """The slab's free queue, keeping each page's free blocks as it changes.
+    """The slab's free blocks, kept as bits per page instead of a linked list.
 
-    Every BlockPool operation goes through these methods, so the per-page view
-    stays exact without touching BlockPool's own logic.
+    BlockPool reaches its queue only through popleft(_n), remove, append(_n)
+    and prepend_n, so overriding those keeps the per-page view exact without
+    touching BlockPool's logic. Upstream's list orders free blocks for LRU
+    eviction; the slab hands out blocks from its fullest page instead (pages
+    empty out whole), so the list would be upkeep that nothing reads.
     """
 
     def __init__(
         self, blocks: list[KVCacheBlock], blocks_per_page: int, num_pages: int
     ) -> None:
-        super().__init__([])
+        super().__init__([])  # upstream's list sentinels, left empty
         self.blocks = blocks  # the slab's, by id
         self.blocks_per_page = blocks_per_page
         self.free_in_page = [0] * num_pages
@@ -706,65 +709,61 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
         # Pages whose last block came free since the slab last looked: what a
         # free may hand back, without walking the freed blocks again.
         self.newly_idle: set[int] = set()
-        # No page has fewer free blocks than this: the search for the fullest
-        # page starts here instead of walking up to k empty buckets.
-        self._fewest_free_hint = 1
+        # Bit c set: some page has c free blocks. The fullest page with a free
+        # block is then one lowest-bit lookup away, where a walk up the
+        # buckets would pass up to k empty ones each time a page fills.
+        self._buckets_in_use = 0
 
     def _move_page(self, page: int, change: int) -> None:
         before = self.free_in_page[page]
         after = before + change
         self.free_in_page[page] = after
         if before:
-            self.pages_with_free[before].discard(page)
+            bucket = self.pages_with_free[before]
+            bucket.discard(page)
+            if not bucket:
+                self._buckets_in_use ^= 1 << before
         if after:
-            self.pages_with_free[after].add(page)
-            if after < self._fewest_free_hint:
-                self._fewest_free_hint = after
+            bucket = self.pages_with_free[after]
+            if not bucket:
+                self._buckets_in_use |= 1 << after
+            bucket.add(page)
             if after == self.blocks_per_page:
                 self.newly_idle.add(page)
 
     def take_from_fullest_page(self, n: int) -> list[KVCacheBlock]:
         """Up to ``n`` free blocks of the page with the fewest free blocks but
         one at least (the queue must hold a free block): pages empty out whole."""
-        by_free = self.pages_with_free
-        fewest = self._fewest_free_hint
-        while not by_free[fewest]:
-            fewest += 1
-        self._fewest_free_hint = fewest
-        page = next(iter(by_free[fewest]))
+        in_use = self._buckets_in_use
+        fewest = (in_use & -in_use).bit_length() - 1
+        page = next(iter(self.pages_with_free[fewest]))
         bits = self.free_bits[page]
-        first = page * self.blocks_per_page
-        blocks = []
+        first = page * self.blocks_per_page - 1  # bit_length() counts from 1
+        blocks = self.blocks
+        taken = []
         for _ in range(min(n, fewest)):
             lowest = bits & -bits
             bits ^= lowest
-            block = self.blocks[first + lowest.bit_length() - 1]
-            FreeKVCacheBlockQueue.remove(self, block)
-            blocks.append(block)
+            taken.append(blocks[first + lowest.bit_length()])
         self.free_bits[page] = bits
-        self._move_page(page, -len(blocks))
-        return blocks
+        self.num_free_blocks -= len(taken)
+        self._move_page(page, -len(taken))
+        return taken
 
     def remove_idle_page(self, page: int) -> list[KVCacheBlock]:
-        """Unlink every block of idle ``page`` (all k free) and return them."""
+        """Take every block of idle ``page`` (all k free) and return them."""
         k = self.blocks_per_page
         assert self.free_in_page[page] == k
-        blocks = self.blocks[page * k : (page + 1) * k]
-        for block in blocks:
-            FreeKVCacheBlockQueue.remove(self, block)
         self.free_bits[page] = 0
+        self.num_free_blocks -= k
         self._move_page(page, -k)
-        return blocks
+        return self.blocks[page * k : (page + 1) * k]
 
     def _count(self, block: KVCacheBlock, delta: int) -> None:
         page, index = divmod(block.block_id, self.blocks_per_page)
         self.free_bits[page] ^= 1 << index  # a block comes (delta 1) or goes (-1)
+        self.num_free_blocks += delta
         self._move_page(page, delta)
-
-    def popleft(self) -> KVCacheBlock:
-        block = super().popleft()
-        self._count(block, -1)
-        return block
 
     def _count_n(self, blocks: list[KVCacheBlock], delta: int) -> None:
         # A request's blocks come and go a page at a time: move each page once.
@@ -783,27 +782,48 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
         for page, (bits, count) in changed.items():
             free_bits[page] ^= bits
             self._move_page(page, count * delta)
+        self.num_free_blocks += len(blocks) * delta
+
+    def popleft(self) -> KVCacheBlock:
+        if not self.num_free_blocks:
+            raise ValueError("No free blocks available")
+        return self.take_from_fullest_page(1)[0]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        blocks = super().popleft_n(n)
-        self._count_n(blocks, -1)
-        return blocks
+        assert self.num_free_blocks >= n
+        taken: list[KVCacheBlock] = []
+        while len(taken) < n:
+            taken += self.take_from_fullest_page(n - len(taken))
+        return taken
 
     def remove(self, block: KVCacheBlock) -> None:
-        super().remove(block)
         self._count(block, -1)
 
     def append(self, block: KVCacheBlock) -> None:
-        super().append(block)
         self._count(block, 1)
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        super().append_n(blocks)
         self._count_n(blocks, 1)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
-        super().prepend_n(blocks)
         self._count_n(blocks, 1)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """The free blocks by id (the slab keeps no eviction order)."""
+        k = self.blocks_per_page
+        return [
+            self.blocks[page * k + index]
+            for page, bits in enumerate(self.free_bits)
+            for index in range(k)
+            if bits >> index & 1
+        ]
+
+    def iter_blocks_after(
+        self, cursor: KVCacheBlock | None
+    ) -> Iterator[KVCacheBlock]:
+        """Free blocks after ``cursor`` (by id; from the first if it is gone)."""
+        free = self.get_all_free_blocks()
+        yield from free[next((i + 1 for i, b in enumerate(free) if b is cursor), 0) :]
 
 
 class SlabPool(BlockPool):
@@ -870,6 +890,9 @@ class SlabPool(BlockPool):
             return
         candidates = queue.newly_idle & queue.idle_pages
         queue.newly_idle.clear()
+        if not self.enable_caching:  # no block is cached: no walk over k blocks
+            self._give_back(candidates)
+            return
         self._give_back(
             page_id
             for page_id in candidates
@@ -908,10 +931,8 @@ class SlabPool(BlockPool):
         short = num_blocks - queue.num_free_blocks
         if short > 0:
             self._take_pages(cdiv(short, k))
-        picked: list[KVCacheBlock] = []
-        while len(picked) < num_blocks:
-            # The fullest page that has a free block: pages empty out whole.
-            picked += queue.take_from_fullest_page(num_blocks - len(picked))
+        # From the fullest pages that have a free block: pages empty out whole.
+        picked = queue.popleft_n(num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(picked)
         for block in picked:
