@@ -890,9 +890,6 @@ class SlabPool(BlockPool):
             return
         candidates = queue.newly_idle & queue.idle_pages
         queue.newly_idle.clear()
-        if not self.enable_caching:  # no block is cached: no walk over k blocks
-            self._give_back(candidates)
-            return
         self._give_back(
             page_id
             for page_id in candidates
