@@ -132,7 +132,9 @@ def _concurrency_problems(expect: str, side: str, case: dict, s_case: dict) -> l
     landed while the requests ran (a short case can finish between two), so it is
     reported and never judged."""
     problems = []
-    if not case.get("mean_running"):  # no step counted while the requests ran: unmeasured
+    # No step counted while the requests ran: unmeasured (None: a record made
+    # before the probe counted steps, judged as it was then).
+    if case.get("mean_running") == 0:
         problems.append(f"{side}: the engine counted no step with a running request "
                         "(vllm:generation_tokens_total over vllm:iteration_tokens_total)")
     if expect == "preemptions" and side == "stock" and case["preemptions"] <= 0:
