@@ -44,7 +44,7 @@ def test_seam_real_series(real_project, tmp_path):
     # and the views, copies and slab tail on CUDA tensors skip on a machine without a
     # GPU: 7)
     for patch_id, tests, skipped, control in (("0001", 46, 0, "VLLM_E2_REPORT=0"),
-                                               ("0002", 104, 14, "VLLM_E2_STATE_POOL=0")):
+                                               ("0002", 106, 14, "VLLM_E2_STATE_POOL=0")):
         patch = patches[patch_id]
         assert patch["verdict"] == "passed"
         checks = {c["kind"]: c for c in patch["checks"]}

@@ -20,8 +20,11 @@ from vllm.v1.core.single_type_kv_cache_manager import (
 )
 from vllm.v1.core.state_pool import (
     PagePool,
+    allocate_step_blocks,
+    groups_of,
     slab_blocks_per_page,
     slab_blocks_to_allocate,
+    step_groups,
 )
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
@@ -189,6 +192,11 @@ class KVCacheCoordinator(ABC):
         self.group_block_sizes = tuple(
             manager.block_size for manager in self.single_type_managers
         )
+        # vLLM E2: a step of a request that holds its states skips the
+        # request-constant state groups (state_pool.py).
+        self.constant_state_blocks = None
+        if self.slab_pool is not None:
+            step_groups(self)
 
         # A positive retention interval must be a multiple of the base hit granularity
         # (``scheduler_block_size``) to land on real cache-hit boundaries.
@@ -352,6 +360,11 @@ class KVCacheCoordinator(ABC):
             The new allocated blocks.
 
         """
+        if self.constant_state_blocks is not None:
+            # vLLM E2: skip the request-constant state groups once held.
+            return allocate_step_blocks(
+                self, request_id, num_tokens, num_tokens_main_model
+            )
         return tuple(
             manager.allocate_new_blocks(
                 request_id,
@@ -495,7 +508,12 @@ class KVCacheCoordinator(ABC):
                 manager types ignore it.
 
         """
-        for manager in self.single_type_managers:
+        for _, manager in (
+            # vLLM E2: skip the request-constant state groups once held.
+            groups_of(self, request_id)
+            if self.constant_state_blocks is not None
+            else enumerate(self.single_type_managers)
+        ):
             manager.remove_skipped_blocks(
                 request_id, processed_computed_tokens, num_prompt_tokens
             )
