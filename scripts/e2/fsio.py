@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from e2.errors import E2Error
@@ -52,18 +53,28 @@ def recover_dir(target: Path) -> None:
 
 
 def replace_dir(target: Path, contents: dict[str, bytes]) -> None:
-    """Make ``target`` hold exactly ``contents``; the old tree survives any failure.
+    """Make ``target`` hold exactly ``contents``; the old tree survives any failure."""
 
-    Everything is written into a staging dir first and swapped in with two
-    renames; ``recover_dir`` repairs the one window between them.
+    def fill(staging: Path) -> None:
+        for relative, data in sorted(contents.items()):
+            write_file(staging / relative, data)
+
+    replace_dir_with(target, fill)
+
+
+def replace_dir_with(target: Path, fill: Callable[[Path], None]) -> None:
+    """Make ``target`` what ``fill`` writes into an empty directory; the old tree
+    survives any failure.
+
+    ``fill`` writes into a staging dir first, swapped in with two renames;
+    ``recover_dir`` repairs the one window between them.
     """
     recover_dir(target)
     refuse_link(target)
     new, old = _staging(target)
     try:
-        new.mkdir(parents=True)  # an empty ``contents`` still makes an (empty) directory
-        for relative, data in sorted(contents.items()):
-            write_file(new / relative, data)
+        new.mkdir(parents=True)  # a fill that writes nothing still makes an (empty) directory
+        fill(new)
         checkpoint("replace-dir-staged")
         if target.exists():
             target.rename(old)

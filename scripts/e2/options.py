@@ -100,6 +100,13 @@ class UpstreamSuitesOptions(SidesOptions):
 
 
 @dataclass(frozen=True)
+class KitOptions:
+    dest: Path
+    python_version: str | None  # the target's major.minor; None: the test env's
+    present: Path | None        # the target's distributions, not to carry
+
+
+@dataclass(frozen=True)
 class ImageRenderOptions:
     pass
 

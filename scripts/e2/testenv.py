@@ -103,6 +103,10 @@ class TestEnv:
     def site_packages(self) -> Path:
         return Path(self._query("import sysconfig; print(sysconfig.get_paths()['purelib'])"))
 
+    def python_version(self) -> str:
+        """``major.minor`` of the venv's python."""
+        return self._query("import sys; print('%d.%d' % sys.version_info[:2])")
+
     def _query(self, code: str, env: dict[str, str] | None = None) -> str:
         result = subprocess.run([str(self.python), "-P", "-c", code], capture_output=True,
                                 text=True, env=env, cwd=self.root, timeout=300)

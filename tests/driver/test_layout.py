@@ -139,7 +139,7 @@ def test_every_options_field_is_an_argument_of_its_verb():
     a field with no argument, or an argument with no field, is a bug it would only
     meet at run time."""
     leaves = list(leaf_parsers(cli.build_parser()))
-    assert len(leaves) == 17  # 7 verbs without a sub-verb; test 2, image 4, probe 2, models 2
+    assert len(leaves) == 18  # 7 verbs without a sub-verb; test 3, image 4, probe 2, models 2
     for name, parser in leaves:
         options = parser.get_default("options")
         assert dataclasses.is_dataclass(options), f"{name}: no options dataclass"

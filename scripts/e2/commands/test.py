@@ -1,13 +1,16 @@
-"""e2 test seam|upstream: the series' seam tests, and upstream's suites stock vs E2
-(the runs, their classes and reports are e2.validate's)."""
+"""e2 test seam|upstream|kit: the series' seam tests, upstream's suites stock vs E2
+(the runs, their classes and reports are e2.validate's), and the seam tests packed
+to run offline elsewhere (e2.seam_kit)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
-from e2.options import GlobalOptions, SeamOptions, UpstreamSuitesOptions
+from e2.options import GlobalOptions, KitOptions, SeamOptions, UpstreamSuitesOptions
+from e2.seam_kit import build_kit
 from e2.testenv import TARGETS
 from e2.validate import (
     CI_SUITES,
@@ -54,6 +57,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "(upstream behaviour), against the same stock run; written as "
                              "upstream-switches-off.json and .md")
     suites.set_defaults(options=UpstreamSuitesOptions, timeout=UPSTREAM_TIMEOUT)
+    kit = verbs.add_parser(
+        "kit", help="pack the seam tests to run offline on another machine's python and "
+                    "torch (a GPU machine: the CUDA cases run there)",
+        description="Write DEST: the e2 view's vllm package, the tests and what they import, "
+                    "and wheels for the target's python of every distribution the tests "
+                    "loaded here except torch, triton and NVIDIA's libraries. On the target, "
+                    "`python3 DEST/run.py` runs each patch's tests and its control with no "
+                    "network.")
+    kit.add_argument("dest", type=Path, metavar="DEST", help="the kit's folder (replaced whole)")
+    kit.add_argument("--python-version", type=_python_version, metavar="X.Y",
+                     help="the target's python (default: the test env's)")
+    kit.add_argument("--present", type=Path, metavar="FILE",
+                     help="distributions the target has (pip freeze, or a name a line): "
+                          "not carried, which keeps the kit small")
+    kit.set_defaults(options=KitOptions)
     for verb in (seam, suites):
         verb.add_argument("--target", choices=tuple(TARGETS), default="cpu",
                           help="which env of e2 env to test in (default: cpu)")
@@ -64,7 +82,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           help="per-test timeout (pytest-timeout)")
 
 
-def run(options: GlobalOptions, test: SeamOptions | UpstreamSuitesOptions) -> int:
+def _python_version(text: str) -> str:
+    if not re.fullmatch(r"3\.\d{1,2}", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a python version like 3.12")
+    return text
+
+
+def run(options: GlobalOptions, test: SeamOptions | UpstreamSuitesOptions | KitOptions) -> int:
+    if isinstance(test, KitOptions):
+        return build_kit(options, test)
     if isinstance(test, SeamOptions):
         return run_seam(options, test)
     return run_upstream(options, test)
