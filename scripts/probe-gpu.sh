@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Both probes, stock vs E2, against the engine images on the GPU host.
+# Both probes, stock vs E2, against the engine images on the GPU host, and the
+# seam tests on CUDA tensors in the E2 image.
 #
 #   scripts/probe-gpu.sh ssh://user@gpu-host        (or: make probe-gpu HOST=ssh://user@gpu-host)
 #
@@ -22,6 +23,9 @@ report="${REPORT:-docs/validation}"
 e2 verify
 # --no-fallback: the pinned CUDA base or nothing (never the CPU base stand-in).
 e2 image build --no-fallback                     # tag: vllm-e2:<version>-<series digest>
+# The worker and planner seam tests on CUDA tensors, in that image (its python3 and
+# CUDA torch; the kit brings the rest, so nothing is downloaded there).
+e2 test kit .e2/seam-kit --image --gpus all --report "$report"
 e2 probe serve --docker --gpus all --tp "$tp" --report "$report"
 # The planner and scheduler run here (CPU) and model the CUDA boot; --boot then
 # boots both images on the host with dummy weights for the models whose weights

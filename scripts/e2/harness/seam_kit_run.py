@@ -86,7 +86,11 @@ def main() -> int:
 
 def run_kit(kit: dict, scratch: Path, out: Path, machine: dict) -> int:
     with tarfile.open(KIT / kit["vllm_archive"]) as archive:
-        archive.extractall(scratch / "vllm-site", filter="data")
+        # the kit's own archive; the "data" filter where this python has one (3.11.4+)
+        if hasattr(tarfile, "data_filter"):
+            archive.extractall(scratch / "vllm-site", filter="data")
+        else:
+            archive.extractall(scratch / "vllm-site")
     have = installed()
     missing = [wheel for wheel in kit["wheels"] if normalized(wheel["name"]) not in have]
     for wheel in missing:
