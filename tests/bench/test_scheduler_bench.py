@@ -2,7 +2,8 @@
 overlay/): a short soak finishes clean on both sides after preempting and
 hitting the prefix cache, allocations refused after prefix hits and at state
 block boundaries retry to the same tokens, the audit sees a leak when one is
-left, and the step benchmark pairs its steps. Each side's process boots in about half a minute."""
+left, the step benchmark pairs its steps and, in `align` mode, times them
+unpaired. Each side's process boots in about half a minute."""
 
 from __future__ import annotations
 
@@ -150,6 +151,18 @@ def test_step_bench_pairs_the_two_sides(runtime, tmp_path):
     assert figures["batch"] > 0
     assert figures["stock_median"] > 0 and figures["e2_median"] > 0
     assert 0.2 < figures["ratio"] < 5
+
+
+def test_align_step_bench_times_unpaired_steps(runtime, tmp_path):
+    """In `align` mode the sides chunk prefills at their own state blocks: the
+    pairing check would refuse the run, so the ratio is of the medians."""
+    figures = bench_scheduler.run_steps(runtime, bench_scheduler.ALIGN_STEPS, rounds=2,
+                                        steps=4, warmup=10, log_dir=tmp_path)
+    assert not bench_scheduler.ALIGN_STEPS.paired and StepBench().paired
+    assert figures["steps"] == 8 and figures["pair_ratios"] == [figures["ratio"]]
+    assert figures["ratio"] == pytest.approx(figures["e2_median"] / figures["stock_median"])
+    assert figures["batch"] > 0
+    assert min(figures["tokens"].values()) >= figures["batch"]
 
 
 @pytest.fixture(scope="module")
