@@ -36,7 +36,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -49,10 +48,10 @@ from e2.errors import E2Error  # noqa: E402
 from e2.probes.capacity import ZOO  # noqa: E402
 from e2.probes.runtime import Runtime  # noqa: E402
 from e2.series import Project  # noqa: E402
+from scheduler_report import print_faults, print_soak, print_steps  # noqa: E402
 from scheduler_workload import WorkloadSpec, step_ratio  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "scheduler_worker.py"
-STEP_TARGET = 1.05
 SIDES = ("stock", "e2")
 
 
@@ -305,119 +304,6 @@ def run_faults(runtime: Runtime, soak: Soak, log_dir: Path) -> dict[str, dict]:
 
     with ThreadPoolExecutor(len(SIDES)) as pool:
         return dict(zip(SIDES, pool.map(one, SIDES)))
-
-
-def fault_problems(side: str, result: dict) -> list[str]:
-    """Why a side failed the fault run; empty when every refusal kind happened
-    and every request came out as in the run without faults, pool clean."""
-    problems = [problem for run in result["runs"].values()
-                for problem in soak_problems(side, run)]
-    for kind, count in result["refusals"].items():
-        if not count:
-            problems.append(f"{side}: no allocation was refused {kind.replace('_', ' ')}")
-    if result["num_differing"]:
-        problems.append(f"{side}: {result['num_differing']} requests' tokens differ from the "
-                        f"run without faults (first: {', '.join(result['differing_outputs'])})")
-    return problems
-
-
-def soak_problems(side: str, result: dict) -> list[str]:
-    """Why a side's soak failed; empty when it passed."""
-    problems = []
-    if result["finished"] != result["requests"]:
-        problems.append(f"{side}: {result['requests'] - result['finished']} requests never "
-                        f"finished (first: {', '.join(result['unfinished'])})")
-    if result["wrong_length"]:
-        problems.append(f"{side}: requests finished with the wrong number of tokens: "
-                        f"{', '.join(result['wrong_length'])}")
-    if not result["audit"]["clean"]:
-        problems.append(f"{side}: the pool is not back to its start: "
-                        f"{json.dumps(result['audit'])}")
-    return problems
-
-
-# ---------------------------------------------------------------- report
-
-
-def print_steps(bench: StepBench, figures: dict, steps: int) -> bool:
-    """The step figures; False when a paired ratio misses its target (the
-    unpaired `align` figure has none)."""
-    ok = figures["ratio"] <= STEP_TARGET or not bench.paired
-    pairs = len(figures["pair_ratios"])
-    print(f"scheduler step, {bench.model}, {bench.budget_gib:g} GiB, {bench.max_num_seqs} seqs, "
-          f"mamba cache {bench.mamba_cache_mode}, saturated; {pairs} worker pair"
-          f"{'s' if pairs > 1 else ''}, {figures['rounds'] // pairs} rounds of {steps} steps "
-          "a side each, interleaved")
-    wall = figures["wall"]
-    print(f"  stock  schedule+update  {figures['stock_median']:6.2f} ms CPU/step (median; "
-          f"wall {wall['stock_median']:.2f})   (baseline)")
-    target = f"target <= {STEP_TARGET}" if bench.paired else "no target"
-    print(f"  e2     schedule+update  {figures['e2_median']:6.2f} ms CPU/step (median; "
-          f"wall {wall['e2_median']:.2f})   ratio {figures['ratio']:.3f} ({target})")
-    tokens = figures["tokens"]
-    if bench.paired:
-        print(f"         the ratio is the median of {figures['steps']} paired steps' ratios "
-              f"(batch {figures['batch']:.0f} on both, ", end="")
-    else:
-        print(f"         the ratio is of the medians of {figures['steps']} steps a side, which "
-              f"do not pair: each side chunks prefills at its own state block (batch "
-              f"{figures['batch']:.0f}, tokens a step {tokens['stock']:.1f} stock and "
-              f"{tokens['e2']:.1f} E2, ", end="")
-    print(f"KV usage at the end {figures['stock_usage']:.0%} "
-          f"stock, {figures['e2_usage']:.0%} E2); round ratios "
-          f"{figures['round_ratio_min']:.2f}..{figures['round_ratio_max']:.2f}, "
-          f"pair ratios {', '.join(f'{r:.3f}' for r in figures['pair_ratios'])}, "
-          f"wall {wall['ratio']:.3f}")
-    return ok
-
-
-def print_soak(soak: Soak, results: dict[str, dict]) -> bool:
-    print(f"soak, {soak.requests} requests (seed {soak.workload.seed}), {soak.model}, "
-          f"{soak.budget_gib:g} GiB ({results['stock']['planner']['num_blocks']} pages), "
-          f"mamba cache {soak.mamba_cache_mode} + prefix caching")
-
-    def lines(side: str, r: dict) -> list[str]:
-        slab = r["audit"].get("slab")
-        held = (f", slab pages held at the end {slab['held_pages']} (all idle, reclaimed)"
-                if slab and r["audit"]["clean"] else "")
-        return [f"  {side:5}  {r['finished']}/{r['requests']} finished ({r['aborted']} aborted), "
-                f"{r['steps']} steps, {r['preemptions']} preemptions, {r['seconds']:.0f} s "
-                f"({r['cpu_seconds']:.0f} s CPU); leaked blocks "
-                f"{r['audit']['leaked_blocks']}{held}",
-                f"         prefix-hit tokens: {r['prefix_hit_tokens']:,} of "
-                f"{r['prompt_tokens']:,} prompt tokens on admission, "
-                f"{r['resume_hit_tokens']:,} more on resuming preempted requests"]
-
-    return print_sides(results, lines, soak_problems, "LEAK")
-
-
-def print_faults(soak: Soak, results: dict[str, dict]) -> bool:
-    print(f"faults, the soak's first {soak.requests} requests twice: as is, then with "
-          f"allocations refused after prefix hits and at state block boundaries")
-
-    def lines(side: str, r: dict) -> list[str]:
-        as_is, faults = r["runs"]["as_is"], r["runs"]["faults"]
-        same = (f"{r['output_tokens']} output tokens the same" if not r["num_differing"]
-                else f"{r['num_differing']} requests differ")
-        return [f"  {side:5}  refused {r['refusals']['after_prefix_hit']} after a prefix hit, "
-                f"{r['refusals']['at_state_boundary']} at a {r['state_block_size']}-token state "
-                f"block boundary; preemptions {as_is['preemptions']} -> "
-                f"{faults['preemptions']}; {faults['finished']}/{faults['requests']} "
-                f"finished, {same}"]
-
-    return print_sides(results, lines, fault_problems, "FAULT")
-
-
-def print_sides(results: dict[str, dict], lines: Callable[[str, dict], list[str]],
-                problems_of: Callable[[str, dict], list[str]], label: str) -> bool:
-    """Each side's lines, then every problem under ``label``; True when none."""
-    problems = []
-    for side in SIDES:
-        print("\n".join(lines(side, results[side])))
-        problems += problems_of(side, results[side])
-    for problem in problems:
-        print(f"  {label} {problem}")
-    return not problems
 
 
 def main() -> int:

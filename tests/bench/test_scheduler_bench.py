@@ -18,6 +18,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 import bench_scheduler  # noqa: E402
+import scheduler_report  # noqa: E402
 from bench_scheduler import SIDES, Soak, StepBench, Worker  # noqa: E402
 from scheduler_workload import WorkloadSpec  # noqa: E402
 
@@ -77,7 +78,7 @@ def soak(runtime, tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.parametrize("side", SIDES)
 def test_short_soak_finishes_clean(soak, side):
     result = soak[side]
-    assert bench_scheduler.soak_problems(side, result) == []
+    assert scheduler_report.soak_problems(side, result) == []
     assert result["finished"] == result["requests"] == SOAK.requests
     # It exercised what it claims to: preemption, prefix hits, client aborts.
     # E2 admits with the room its requests will take: it preempts no more than
@@ -173,7 +174,7 @@ def faults(runtime, tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.parametrize("side", SIDES)
 def test_refused_allocations_retry_to_the_same_tokens(faults, side):
     result = faults[side]
-    assert bench_scheduler.fault_problems(side, result) == []
+    assert scheduler_report.fault_problems(side, result) == []
     as_is, refused = result["runs"]["as_is"], result["runs"]["faults"]
     assert as_is["finished"] == refused["finished"] == SOAK.requests
     # Both moments were hit, each refusal taken by the scheduler's retry path:
