@@ -126,11 +126,17 @@ class KVCacheCoordinator(ABC):
         # decode headroom, align-mode boundary states (pages, or slots when
         # states are packed). Set by the scheduler before admitting, counted
         # by admission only; a bound until counted exactly (reserve_exact),
-        # over the requests and lookahead in reserve_running.
+        # over the requests and lookahead in reserve_running. The states'
+        # bound starts from the last count (counted_states) and adds the
+        # align groups whose gap to a boundary (boundary_gaps, sorted) the
+        # horizons' advance since (reserve_advance) has passed.
         self.slab_reserved_blocks = 0
         self.reserved_states = 0
         self.reserve_exact = True
         self.reserve_running: tuple[list, int] = ([], 0)
+        self.counted_states = 0
+        self.boundary_gaps: list[int] = []
+        self.reserve_advance = 0
         self.max_model_len = max_model_len
 
         # KV cache group indices that get the EAGLE last-block drop.

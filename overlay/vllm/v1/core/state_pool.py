@@ -28,6 +28,7 @@ Three pieces, each used at one place of upstream's code:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
@@ -514,11 +515,22 @@ def reserve_running_requests(
 ) -> None:
     """Set (or, with ``add``, raise) what admission keeps for ``running``: the
     slab blocks of their decode headroom (and the speculative lookahead slots
-    each step allocates past it) and their align-mode boundary states."""
-    blocks, states = _reserve(coordinator, running, lookahead_tokens)
+    each step allocates past it) and their align-mode boundary states. What is
+    counted here is also what bound_running_reserve bounds the states from."""
+    gaps: list[int] = []
+    blocks, states = _reserve(coordinator, running, lookahead_tokens, gaps)
     if add:
         blocks += coordinator.slab_reserved_blocks
+        coordinator.counted_states += states
         states += coordinator.reserved_states
+        # Gaps are kept as the advance at which their state is taken.
+        for gap in gaps:
+            bisect.insort(coordinator.boundary_gaps, gap + coordinator.reserve_advance)
+    else:
+        coordinator.counted_states = states
+        gaps.sort()
+        coordinator.boundary_gaps = gaps
+        coordinator.reserve_advance = 0
     coordinator.slab_reserved_blocks = blocks
     coordinator.reserved_states = states
 
@@ -534,14 +546,21 @@ def bound_running_reserve(
     A request's horizon (its tokens and decode headroom) moves on by at most
     the ``tokens_per_step`` a step appends while its held blocks grow to cover
     what was scheduled, so its slab blocks still to take grow by at most
-    ``1 + tokens_per_step // block_size`` a group; it holds at most one
-    boundary state per align group. Admission counts the reserve exactly only
-    where the bound would refuse a request (count_reserve_exactly), so what is
+    ``1 + tokens_per_step // block_size`` a group. Its boundary states are the
+    ones last counted plus one for each align group whose horizon has since
+    moved past the gap it had left to its next state block boundary, and at
+    most one per align group. Admission counts the reserve exactly only where
+    the bound would refuse a request (count_reserve_exactly), so what is
     admitted is what an exact count admits."""
     coordinator.slab_reserved_blocks += len(running) * sum(
         1 + tokens_per_step // manager.block_size for manager in _slab_managers(coordinator)
     )
-    coordinator.reserved_states = len(running) * len(_align_block_sizes(coordinator))
+    coordinator.reserve_advance += tokens_per_step
+    coordinator.reserved_states = min(
+        len(running) * len(_align_block_sizes(coordinator)),
+        coordinator.counted_states
+        + bisect.bisect_left(coordinator.boundary_gaps, coordinator.reserve_advance),
+    )
     coordinator.reserve_exact = False
     coordinator.reserve_running = (running, lookahead_tokens)
 
@@ -558,12 +577,17 @@ def count_reserve_exactly(coordinator: KVCacheCoordinator) -> bool:
 
 
 def _reserve(
-    coordinator: KVCacheCoordinator, running: Iterable[Request], lookahead_tokens: int = 0
+    coordinator: KVCacheCoordinator,
+    running: Iterable[Request],
+    lookahead_tokens: int = 0,
+    gaps: list[int] | None = None,
 ) -> tuple[int, int]:
-    """Slab blocks and boundary states ``running`` may still take. The
-    scheduler runs it over the whole batch once a step, so the groups are
-    sorted out once and decode_headroom is inlined: this loop is the reserve's
-    whole cost in a saturated step."""
+    """Slab blocks and boundary states ``running`` may still take, and into
+    ``gaps``, for each align group of a decoding request that takes no boundary
+    state, the tokens its horizon may still move before it does. The
+    scheduler runs it over the whole batch where the bound would refuse, so
+    the groups are sorted out once and decode_headroom and the boundary test
+    are inlined: this loop is the reserve's whole cost in a saturated step."""
     slab_blocks = [(m.req_to_blocks, m.block_size) for m in _slab_managers(coordinator)]
     align_blocks = _align_block_sizes(coordinator)
     max_model_len = coordinator.max_model_len
@@ -587,8 +611,22 @@ def _reserve(
             need = -(-horizon // block_size) - (len(held) if held else 0)
             if need > 0:
                 blocks += need
-        if align_blocks:
-            states += _boundary_states(num_tokens, num_output_tokens, headroom, align_blocks)
+        if not align_blocks:
+            continue
+        if num_output_tokens == 0:
+            # Its first decode leaves the prefill's checkpoint block.
+            states += len(align_blocks)
+            continue
+        # A state block holds the state of up to ``size`` tokens (the manager
+        # keeps cdiv(tokens, size) blocks' worth): the state moves on only
+        # when the tokens ahead pass the end of the block the request is in.
+        end = num_tokens + headroom
+        for size in align_blocks:
+            gap = -(-num_tokens // size) * size - end
+            if gap < 0:
+                states += 1
+            elif gaps is not None:
+                gaps.append(gap)
     return blocks, states
 
 
@@ -604,19 +642,6 @@ def _align_block_sizes(coordinator: KVCacheCoordinator) -> list[int]:
         for m in coordinator.single_type_managers
         if isinstance(m.kv_cache_spec, MambaSpec) and m.kv_cache_spec.mamba_cache_mode == "align"
     ]
-
-
-def _boundary_states(
-    num_tokens: int, num_output_tokens: int, headroom: int, align_blocks: list[int]
-) -> int:
-    # A state block holds the state of up to ``size`` tokens (the manager
-    # keeps cdiv(tokens, size) blocks' worth): the state moves on only when
-    # the tokens ahead pass a multiple of ``size``.
-    first_decode = num_output_tokens == 0
-    return sum(
-        first_decode or -(-num_tokens // size) != -(-(num_tokens + headroom) // size)
-        for size in align_blocks
-    )
 
 
 def request_constant(manager: SingleTypeKVCacheManager, max_model_len: int) -> bool:
