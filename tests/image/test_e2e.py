@@ -138,5 +138,5 @@ def test_seam_kit_runs_in_the_e2_image(project, cpu_base, docker_client, tmp_pat
     assert summary["ok"] and summary["device"] is None, result.stdout[-3000:]
     counts = {(r["patch"], r["run"]): (r["passed"], r["failed"]) for r in summary["runs"]}
     assert counts == {("0001", "e2"): (46, 0), ("0001", "control"): (46, 0),
-                      ("0002", "e2"): (92, 0), ("0002", "control"): (92, 0)}
+                      ("0002", "e2"): (96, 0), ("0002", "control"): (96, 0)}
     assert "0002-control" in result.stdout

@@ -80,7 +80,7 @@ def test_kit_runs_each_patch_and_its_control_offline(real_project, bare_venv, tm
     counts = {(r["patch"], r["run"]): (r["passed"], r["failed"], r["skipped"])
               for r in summary["runs"]}
     assert counts == {("0001", "e2"): (46, 0, 0), ("0001", "control"): (46, 0, 0),
-                      ("0002", "e2"): (92, 0, 14), ("0002", "control"): (92, 0, 14)}
+                      ("0002", "e2"): (96, 0, 14), ("0002", "control"): (96, 0, 14)}
     control = next(r for r in summary["runs"] if (r["patch"], r["run"]) == ("0002", "control"))
     assert control["switches"] == {"VLLM_E2_STATE_POOL": "0"}
 
