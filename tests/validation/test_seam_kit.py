@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SEAM_TESTS_WITHOUT_GPU
 from e2 import testenv
 from e2.errors import E2Error
 from e2.seam_kit import read_present, to_carry
@@ -75,12 +76,12 @@ def test_kit_runs_each_patch_and_its_control_offline(real_project, bare_venv, tm
     assert run.returncode == 0, run.stdout + run.stderr
     summary = json.loads((results / "summary.json").read_text())
     assert summary["ok"] and summary["device"] is None
-    # test_seam_real_series' pins: 0001's 46 tests; 0002's 106, of which the CUDA cases
-    # and the slab-only one's control skip on a machine without a GPU
+    # each run passes all its patch's seam tests but those that skip without a GPU
     counts = {(r["patch"], r["run"]): (r["passed"], r["failed"], r["skipped"])
               for r in summary["runs"]}
-    assert counts == {("0001", "e2"): (46, 0, 0), ("0001", "control"): (46, 0, 0),
-                      ("0002", "e2"): (96, 0, 14), ("0002", "control"): (96, 0, 14)}
+    assert counts == {(patch, run): (tests - skipped, 0, skipped)
+                      for patch, (tests, skipped) in SEAM_TESTS_WITHOUT_GPU.items()
+                      for run in ("e2", "control")}
     control = next(r for r in summary["runs"] if (r["patch"], r["run"]) == ("0002", "control"))
     assert control["switches"] == {"VLLM_E2_STATE_POOL": "0"}
 
