@@ -135,6 +135,13 @@ class SchedulerHarness:
         from vllm.utils.gc_utils import freeze_gc_heap
 
         freeze_gc_heap()
+        # In mamba `align` mode the soak and the faults also replay the worker's
+        # state copies and check every cached state's content (state_oracle.py).
+        self.oracle = None
+        if args.mode != "steps" and args.mamba_cache_mode == "align":
+            from state_oracle import StateOracle
+
+            self.oracle = StateOracle(self.scheduler)
 
     def add(self, shape: RequestShape) -> None:
         from vllm.sampling_params import SamplingParams
@@ -162,6 +169,8 @@ class SchedulerHarness:
         output = scheduler.schedule()
         cpu = time.thread_time_ns() - cpu_start
         wall = time.perf_counter_ns() - wall_start
+        if self.oracle is not None:
+            self.oracle.before_forward(output)
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -176,6 +185,8 @@ class SchedulerHarness:
         outputs = scheduler.update_from_output(output, runner_output)
         cpu += time.thread_time_ns() - cpu_start
         wall += time.perf_counter_ns() - wall_start
+        if self.oracle is not None:
+            self.oracle.after_step()
         self.steps += 1
         self.preemptions += len(output.preempted_req_ids or ())
         self.batch_sizes.append(len(req_ids))
@@ -317,6 +328,7 @@ def drive_soak(args: argparse.Namespace, harness: SchedulerHarness,
             "resume_query_tokens": harness.resume_queries,
             "prompt_tokens": sum(len(s.prompt) for s in shapes),
             "max_batch": max(harness.batch_sizes, default=0),
+            "states": harness.oracle.counts.as_dict() if harness.oracle else None,
             "seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2)}
 
 
