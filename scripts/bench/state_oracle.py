@@ -87,10 +87,9 @@ class StateOracle:
         self.hash_states: dict[bytes, State] = {}
         self.hashed_units: dict[str, int] = {}
         self.counts = OracleCounts()
-        # The cached state entries, by pool, key and block; and the blocks
+        # The cached state entries (key, block id) by pool, the keys by block, and the blocks
         # written since the last check.
         self.known_entries: dict[int, set] = {}
-        self.key_blocks: dict[Any, list[tuple[str, int]]] = {}
         self.block_keys: dict[tuple[str, int], set] = {}
         self.written: set[tuple[str, int]] = set()
 
@@ -196,22 +195,23 @@ class StateOracle:
             cache = pool.cached_block_hash_to_block
             entries = getattr(cache, "_cache", cache)
             known = self.known_entries.setdefault(id(pool), set())
-            # An entry is a key and what it maps to: a key evicted and cached
-            # again on another block within one step is a new entry.
-            now = {(key, id(value)) for key, value in entries.items()
-                   if get_group_id(key) in groups}
-            for key, _ in known - now:
-                for where in self.key_blocks.pop(key, ()):
-                    self.block_keys[where].discard(key)
-            for key, _ in now - known:
-                value = entries[key]
-                blocks = list(value.values()) if isinstance(value, dict) else [value]
-                space = self.space[get_group_id(key)]
-                wheres = [(space, block.block_id) for block in blocks]
-                self.key_blocks[key] = wheres
-                for where in wheres:
-                    self.block_keys.setdefault(where, set()).add(key)
-                    to_check.add((key, where))
+            # An entry is a key and one block it maps to: a key cached again on
+            # another block, or a second block under a key, is a new entry.
+            now = set()
+            for key, value in entries.items():
+                if get_group_id(key) not in groups:
+                    continue
+                if isinstance(value, dict):
+                    now.update((key, block.block_id) for block in value.values())
+                else:
+                    now.add((key, value.block_id))
+            for key, block_id in known - now:
+                where = (self.space[get_group_id(key)], block_id)
+                self.block_keys[where].discard(key)
+            for key, block_id in now - known:
+                where = (self.space[get_group_id(key)], block_id)
+                self.block_keys.setdefault(where, set()).add(key)
+                to_check.add((key, where))
             self.known_entries[id(pool)] = now
         for where in self.written:
             for key in self.block_keys.get(where, ()):
