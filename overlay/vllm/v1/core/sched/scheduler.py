@@ -365,18 +365,6 @@ class Scheduler(SchedulerInterface):
             ),
             None,
         )
-        # The state block: slot p of a request's state blocks holds the state
-        # after (p + 1) * mamba_block_size tokens. Upstream's equals
-        # cache_config.block_size; vLLM E2's state pool keeps attention at a
-        # finer block (VLLM_E2_STATE_POOL), so chunks align to the state's own.
-        self.mamba_block_size = next(
-            (
-                group.kv_cache_spec.block_size
-                for group in kv_cache_config.kv_cache_groups
-                if isinstance(group.kv_cache_spec, MambaSpec)
-            ),
-            self.cache_config.block_size,
-        )
         self.mamba_has_prefill_checkpoint_blocks = self.has_mamba_layers and all(
             not isinstance(group.kv_cache_spec, MambaSpec)
             or group.kv_cache_spec.num_prefill_checkpoint_blocks > 0
@@ -450,7 +438,9 @@ class Scheduler(SchedulerInterface):
         if start >= prefill_end:
             return num_new_tokens
 
-        block_size = self.mamba_block_size
+        # vLLM E2: the scheduler block (the groups' LCM), a multiple of the state
+        # block; cache_config.block_size is the finest group's (attention).
+        block_size = self.block_size
         # The last block-aligned position whose state can be cached. With
         # Eagle, FullAttn prunes the last matching block, so back off one
         # block to avoid a Mamba cache miss.
