@@ -131,6 +131,8 @@ class StateOracle:
                 for ids, more in zip(self.tables[req_id], new_ids):
                     ids.extend(more)
             computed[req_id] = cached.num_computed_tokens[i]
+        # A request can finish within this step: learn its hashes while it is here.
+        self._learn_hashes()
         writes = self._precopy_states(output, computed)
         self.contents.update(writes)
         self.written.update(writes)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -280,6 +280,16 @@ def pack_states(
     pages_bytes, block_bytes, layer_slots = regions
     (state,) = state_bytes
     m, page = states_per_page(state, block_bytes)
+    if any(
+        g.kv_cache_spec.mamba_cache_mode == "align"
+        for g in groups
+        if isinstance(g.kv_cache_spec, MambaSpec)
+    ):
+        # In `align` mode states are prefix-cached: one a page keeps them in
+        # the page pool's LRU order, where a state slab would hand out a
+        # cached slot before taking a free page (stock's prefix hits at
+        # 10 GiB: 17% packed, see the patch message).
+        m, page = 1, cdiv(state, block_bytes) * block_bytes
     num_pages = pages_bytes // page
     # m == 1 repacks too where upstream's page is more than whole blocks
     # (the CPU backend aligns hybrid blocks to 128 tokens, not 16).
@@ -775,113 +785,193 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
 
     BlockPool reaches its queue only through popleft(_n), remove, append(_n)
     and prepend_n, so overriding those keeps the per-page view exact without
-    touching BlockPool's logic. Upstream's list orders free blocks for LRU
-    eviction; the slab hands out blocks from its fullest page instead (pages
-    empty out whole), so the list would be upkeep that nothing reads.
+    touching BlockPool's logic.
+
+    An idle page (all k blocks free) counts as a free page of the page pool,
+    so it is taken whole (activate) and never picked from block by block: the
+    slab's admission count (pages_needed) depends on it. In the other pages
+    (busy) an allocation takes the never-cached free blocks first, from the
+    page with the fewest of them (pages empty out whole), and only then
+    evicts cached ones, least recently freed first, as upstream's LRU queue.
     """
 
     def __init__(
-        self, blocks: list[KVCacheBlock], blocks_per_page: int, num_pages: int
+        self,
+        blocks: list[KVCacheBlock],
+        blocks_per_page: int,
+        num_pages: int,
+        clock: Callable[[], int],
     ) -> None:
         super().__init__([])  # upstream's list sentinels, left empty
+        self.clock = clock
         self.blocks = blocks  # the slab's, by id
         self.blocks_per_page = blocks_per_page
         self.free_in_page = [0] * num_pages
-        # Each page's free blocks as bits (bit i: the page's block i): an
-        # allocation takes the lowest ids without walking the page's k blocks
-        # (133 for Qwen3.5-0.8B's packed pages).
+        # Each page's free blocks as bits (bit i: the page's block i), and the
+        # cached ones among them: an allocation takes the lowest ids without
+        # walking the page's k blocks (133 for Qwen3.5-0.8B's packed pages).
         self.free_bits = [0] * num_pages
-        # Pages by their number of free blocks, 1..k (k: idle pages).
-        self.pages_with_free: list[set[int]] = [set() for _ in range(blocks_per_page + 1)]
-        self.idle_pages = self.pages_with_free[blocks_per_page]
+        self.cached_bits = [0] * num_pages
+        # Idle pages, the longest idle first, and when each came idle (the
+        # page pool's clock): reclaim hands the longest idle back first.
+        self.idle_pages: dict[int, int] = {}
         # Pages whose last block came free since the slab last looked: what a
         # free may hand back, without walking the freed blocks again.
         self.newly_idle: set[int] = set()
-        # Bit c set: some page has c free blocks. The fullest page with a free
-        # block is then one lowest-bit lookup away, where a walk up the
-        # buckets would pass up to k empty ones each time a page fills.
+        # Busy pages' cached free blocks, least recently freed first.
+        self.cached_free: dict[int, KVCacheBlock] = {}
+        # Busy pages by their never-cached free blocks, 1..k; bit c of
+        # _buckets_in_use set: some page has c. The page with the fewest is
+        # then one lowest-bit lookup away.
+        self.uncached_in_page = [0] * num_pages
+        self.pages_with_uncached: list[set[int]] = [
+            set() for _ in range(blocks_per_page + 1)
+        ]
         self._buckets_in_use = 0
+        self.num_uncached_free_blocks = 0  # in busy pages
 
-    def _move_page(self, page: int, change: int) -> None:
-        before = self.free_in_page[page]
-        after = before + change
-        self.free_in_page[page] = after
+    def _rebucket(self, page: int, uncached: int) -> None:
+        """File busy ``page`` under its never-cached free count (0: nowhere)."""
+        before = self.uncached_in_page[page]
+        if before == uncached:
+            return
+        self.uncached_in_page[page] = uncached
+        self.num_uncached_free_blocks += uncached - before
         if before:
-            bucket = self.pages_with_free[before]
+            bucket = self.pages_with_uncached[before]
             bucket.discard(page)
             if not bucket:
                 self._buckets_in_use ^= 1 << before
-        if after:
-            bucket = self.pages_with_free[after]
+        if uncached:
+            bucket = self.pages_with_uncached[uncached]
             if not bucket:
-                self._buckets_in_use |= 1 << after
+                self._buckets_in_use |= 1 << uncached
             bucket.add(page)
-            if after == self.blocks_per_page:
-                self.newly_idle.add(page)
 
-    def take_from_fullest_page(self, n: int) -> list[KVCacheBlock]:
-        """Up to ``n`` free blocks of the page with the fewest free blocks but
-        one at least (the queue must hold a free block): pages empty out whole."""
-        in_use = self._buckets_in_use
-        fewest = (in_use & -in_use).bit_length() - 1
-        page = next(iter(self.pages_with_free[fewest]))
-        bits = self.free_bits[page]
+    def _cached_blocks(self, page: int, bits: int) -> Iterator[KVCacheBlock]:
         first = page * self.blocks_per_page - 1  # bit_length() counts from 1
-        blocks = self.blocks
-        taken = []
-        for _ in range(min(n, fewest)):
+        while bits:
             lowest = bits & -bits
             bits ^= lowest
-            taken.append(blocks[first + lowest.bit_length()])
-        self.free_bits[page] = bits
-        self.num_free_blocks -= len(taken)
-        self._move_page(page, -len(taken))
+            yield self.blocks[first + lowest.bit_length()]
+
+    def activate(self, page: int) -> None:
+        """Idle ``page`` becomes busy: its blocks can be picked."""
+        del self.idle_pages[page]
+        self.newly_idle.discard(page)
+        cached = self.cached_bits[page]
+        for block in self._cached_blocks(page, cached):
+            self.cached_free[block.block_id] = block
+        self._rebucket(page, self.blocks_per_page - cached.bit_count())
+
+    def _retire(self, page: int, cached_before: int) -> None:
+        """Busy ``page`` came idle: out of the picks, a free page again."""
+        for block in self._cached_blocks(page, cached_before):
+            del self.cached_free[block.block_id]
+        self._rebucket(page, 0)
+        self.idle_pages[page] = self.clock()
+        self.newly_idle.add(page)
+
+    def take_from_fullest_page(self, n: int) -> list[KVCacheBlock]:
+        """Up to ``n`` never-cached free blocks of the busy page with the
+        fewest such blocks but one (there must be one): pages empty out whole."""
+        in_use = self._buckets_in_use
+        fewest = (in_use & -in_use).bit_length() - 1
+        page = next(iter(self.pages_with_uncached[fewest]))
+        bits = self.free_bits[page] & ~self.cached_bits[page]
+        return self._take(page, bits, min(n, fewest))
+
+    def take_least_recently_freed_cached(self, n: int) -> list[KVCacheBlock]:
+        """``n`` cached free blocks of busy pages, the least recently freed first."""
+        taken = list(itertools.islice(self.cached_free.values(), n))
+        for block in taken:
+            self._count(block, -1)
+        return taken
+
+    def _take(self, page: int, bits: int, n: int) -> list[KVCacheBlock]:
+        first = page * self.blocks_per_page - 1
+        taken = []
+        for _ in range(n):
+            lowest = bits & -bits
+            bits ^= lowest
+            taken.append(self.blocks[first + lowest.bit_length()])
+        self._count_n(taken, -1)
         return taken
 
     def remove_idle_page(self, page: int) -> list[KVCacheBlock]:
         """Take every block of idle ``page`` (all k free) and return them."""
         k = self.blocks_per_page
         assert self.free_in_page[page] == k
-        self.free_bits[page] = 0
+        del self.idle_pages[page]
+        self.newly_idle.discard(page)
+        self.free_bits[page] = self.cached_bits[page] = self.free_in_page[page] = 0
         self.num_free_blocks -= k
-        self._move_page(page, -k)
         return self.blocks[page * k : (page + 1) * k]
 
     def _count(self, block: KVCacheBlock, delta: int) -> None:
-        page, index = divmod(block.block_id, self.blocks_per_page)
-        self.free_bits[page] ^= 1 << index  # a block comes (delta 1) or goes (-1)
-        self.num_free_blocks += delta
-        self._move_page(page, delta)
+        self._count_n([block], delta)
 
     def _count_n(self, blocks: list[KVCacheBlock], delta: int) -> None:
-        # A request's blocks come and go a page at a time: move each page once.
+        """Blocks come free (delta 1) or are taken (-1). A request's blocks
+        come and go a page at a time: each page is moved once."""
         k = self.blocks_per_page
-        # Per page: the bits of the blocks that come or go, and how many.
-        changed: dict[int, list[int]] = {}
+        cached_bits = self.cached_bits
+        changed: dict[int, list[int]] = {}  # page: [bits, cached bits among them]
         for block in blocks:
             page, index = divmod(block.block_id, k)
+            bit = 1 << index
             entry = changed.get(page)
             if entry is None:
-                changed[page] = [1 << index, 1]
+                entry = changed[page] = [0, 0]
+            entry[0] |= bit
+            if (block.block_hash is not None) if delta > 0 else cached_bits[page] & bit:
+                entry[1] |= bit
+        for page, (bits, cached) in changed.items():
+            if delta > 0:
+                self._free(page, bits, cached)
             else:
-                entry[0] |= 1 << index
-                entry[1] += 1
-        free_bits = self.free_bits
-        for page, (bits, count) in changed.items():
-            free_bits[page] ^= bits
-            self._move_page(page, count * delta)
+                self._taken(page, bits, cached)
         self.num_free_blocks += len(blocks) * delta
+
+    def _free(self, page: int, bits: int, cached: int) -> None:
+        cached_before = self.cached_bits[page]
+        self.free_bits[page] |= bits
+        self.cached_bits[page] = cached_before | cached
+        free = self.free_in_page[page] = self.free_in_page[page] + bits.bit_count()
+        if free == self.blocks_per_page:
+            self._retire(page, cached_before)
+            return
+        for block in self._cached_blocks(page, cached):
+            self.cached_free[block.block_id] = block
+        self._rebucket(
+            page, self.uncached_in_page[page] + (bits & ~cached).bit_count()
+        )
+
+    def _taken(self, page: int, bits: int, cached: int) -> None:
+        if page in self.idle_pages:
+            self.activate(page)  # a prefix hit on an idle page's block
+        self.free_bits[page] ^= bits
+        self.cached_bits[page] ^= cached
+        self.free_in_page[page] -= bits.bit_count()
+        for block in self._cached_blocks(page, cached):
+            del self.cached_free[block.block_id]
+        self._rebucket(
+            page, self.uncached_in_page[page] - (bits & ~cached).bit_count()
+        )
 
     def popleft(self) -> KVCacheBlock:
         if not self.num_free_blocks:
             raise ValueError("No free blocks available")
-        return self.take_from_fullest_page(1)[0]
+        return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        assert self.num_free_blocks >= n
+        """``n`` free blocks of busy pages: never-cached ones first."""
+        assert self.num_uncached_free_blocks + len(self.cached_free) >= n
         taken: list[KVCacheBlock] = []
-        while len(taken) < n:
+        while len(taken) < n and self.num_uncached_free_blocks:
             taken += self.take_from_fullest_page(n - len(taken))
+        if len(taken) < n:
+            taken += self.take_least_recently_freed_cached(n - len(taken))
         return taken
 
     def remove(self, block: KVCacheBlock) -> None:
@@ -920,8 +1010,10 @@ class SlabPool(BlockPool):
     Block ``b`` lies in page ``b // k``. The slab holds a page while any of its
     blocks is in use or still cached; an idle page (all ``k`` blocks free)
     without cached blocks goes straight back, an idle page with cached blocks
-    stays until the page pool reclaims it. New blocks come from the fullest
-    held page first, so pages empty out whole. The ``tail_blocks`` past the
+    stays until the page pool or the slab itself takes it. New blocks come
+    from the busy pages' never-cached free blocks (the fullest page first, so
+    pages empty out whole), then their cached ones (least recently freed
+    first), then new pages. The ``tail_blocks`` past the
     last page (fewer than ``k``: that page never comes idle) are the slab's
     for good.
     """
@@ -945,6 +1037,7 @@ class SlabPool(BlockPool):
             self.blocks,
             blocks_per_page,
             pages.num_gpu_blocks + (1 if tail_blocks else 0),
+            clock=lambda: pages.clock,
         )
         self.page_blocks: dict[int, KVCacheBlock] = {}  # held page id -> its block
         self.tail_blocks = tail_blocks
@@ -957,9 +1050,21 @@ class SlabPool(BlockPool):
         return self.blocks[page_id * k : (page_id + 1) * k]
 
     def _take_pages(self, num_pages: int) -> None:
-        for page in self.pages.get_new_blocks(num_pages, for_slab=self):
+        """``num_pages`` more pages to cut blocks from. An idle page of the
+        slab's and a free page of the pool count alike as free pages, so the
+        choice is only what a page evicts: nothing first (a pool page that
+        holds no cached state), else the least recently freed of the slab's
+        longest idle page and the pool's first free page (page_to_evict)."""
+        queue = self.free_block_queue
+        for _ in range(num_pages):
+            idle = next(iter(queue.idle_pages.items()), None)
+            if idle is not None and self.pages.page_to_evict(idle[1]):
+                queue.activate(idle[0])
+                continue
+            (page,) = self.pages.get_new_blocks(1, for_slab=self)
             self.page_blocks[page.block_id] = page
-            self.free_block_queue.append_n(self._page_of(page.block_id))
+            queue.append_n(self._page_of(page.block_id))
+            queue.activate(page.block_id)
 
     def _give_back(self, page_ids: Iterable[int]) -> None:
         pages = []
@@ -976,13 +1081,9 @@ class SlabPool(BlockPool):
         queue = self.free_block_queue
         if not queue.newly_idle:
             return
-        candidates = queue.newly_idle & queue.idle_pages
+        candidates = [page for page in queue.newly_idle if page in queue.idle_pages]
         queue.newly_idle.clear()
-        self._give_back(
-            page_id
-            for page_id in candidates
-            if all(b.block_hash is None for b in self._page_of(page_id))
-        )
+        self._give_back(page for page in candidates if not queue.cached_bits[page])
 
     def reclaim(self, num_pages: int) -> int:
         """Hand up to ``num_pages`` idle pages to the page pool (evicting their
@@ -1013,10 +1114,11 @@ class SlabPool(BlockPool):
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         queue = self.free_block_queue
         k = self.blocks_per_page
-        short = num_blocks - queue.num_free_blocks
+        short = num_blocks - queue.num_uncached_free_blocks - len(queue.cached_free)
         if short > 0:
             self._take_pages(cdiv(short, k))
-        # From the fullest pages that have a free block: pages empty out whole.
+        # Never-cached blocks of the fullest busy pages first (pages empty out
+        # whole), then cached ones, least recently freed first.
         picked = queue.popleft_n(num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(picked)
@@ -1030,6 +1132,7 @@ class SlabPool(BlockPool):
         return picked
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        self.pages.clock += 1
         super().free_blocks(ordered_blocks)
         self._give_back_uncached_idle_pages()
 
@@ -1093,8 +1196,12 @@ class PagePool(BlockPool):
 
     slab: SlabPool
     state_slab: SlabPool | None = None
+    # Counts frees, pool's and slabs' alike: when a free page or an idle slab
+    # page came free, so the least recently freed of them is evicted first.
+    clock = 0
 
     def attach_slab(self, blocks_per_page: int, tail_blocks: int = 0) -> SlabPool:
+        self.freed_at = [0] * self.num_gpu_blocks
         self.slab = SlabPool(self, blocks_per_page, tail_blocks)
         self.slabs = [self.slab]
         self._slab_idle_pages = self.slab.free_block_queue.idle_pages
@@ -1122,16 +1229,48 @@ class PagePool(BlockPool):
             slab.num_idle_pages for slab in self.slabs if slab is not for_slab
         )
 
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        self.clock += 1
+        blocks = list(ordered_blocks)
+        for block in blocks:
+            self.freed_at[block.block_id] = self.clock
+        super().free_blocks(blocks)
+
+    def page_to_evict(self, idle_since: int) -> bool:
+        """Whether a slab's idle page, idle since ``idle_since``, is the page to
+        take rather than the first of the pool's free queue: the
+        queue holds its never-cached pages first, then cached ones least
+        recently freed first, as upstream's."""
+        queue = self.free_block_queue
+        if not queue.num_free_blocks:
+            return True
+        head = queue.fake_free_list_head.next_free_block
+        assert head is not None
+        return head.block_hash is not None and idle_since <= self.freed_at[head.block_id]
+
     def get_new_blocks(
         self, num_blocks: int, for_slab: SlabPool | None = None
     ) -> list[KVCacheBlock]:
-        for slab in self.slabs:
-            short = num_blocks - self.free_block_queue.num_free_blocks
-            if short <= 0:
-                break
-            if slab is not for_slab:
-                slab.reclaim(short)
-        return super().get_new_blocks(num_blocks)
+        """Pages off the free queue, one at a time, each time first handing
+        back another slab's idle page where that is the page to evict."""
+        others = [slab for slab in self.slabs if slab is not for_slab]
+        pages = []
+        for _ in range(num_blocks):
+            idle = min(
+                (
+                    (since, slab)
+                    for slab in others
+                    for since in itertools.islice(
+                        slab.free_block_queue.idle_pages.values(), 1
+                    )
+                ),
+                default=None,
+                key=lambda pair: pair[0],
+            )
+            if idle is not None and self.page_to_evict(idle[0]):
+                idle[1].reclaim(1)
+            pages += super().get_new_blocks(1)
+        return pages
 
     def get_usage(self) -> float:
         """Pages in use, a slab page counting by its used blocks."""
