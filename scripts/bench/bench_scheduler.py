@@ -22,7 +22,13 @@ KV cache is planned from a zoo config.json as a CUDA boot would plan it.
   pool small enough to preempt), stepped to the end on each side. Every
   request must finish, the pool's free count must return to its start, no
   block may stay referenced and, on E2, every slab page must be idle and
-  reclaim fully.
+  reclaim fully. A state oracle (state_oracle.py) replays the worker's state
+  copies: every prefix-cached state must hold exactly its key's tokens and
+  every chunk start from the state of exactly the tokens computed.
+* Prefix hits (--only prefix-hits, not in a default run): the soak's workload
+  without aborts for Qwen3.5-0.8B and Qwen3-Next at 1, 4 and 10 GiB: E2's
+  first-admission prefix-hit tokens must be at least stock's, with no wrong
+  state on either side and no more preemptions than stock.
 * Faults: the soak's first requests twice per side, as is and with the KV
   cache refusing allocations right after prefix hits and at state block
   boundaries; every request must come out with the same tokens.
@@ -48,7 +54,12 @@ from e2.errors import E2Error  # noqa: E402
 from e2.probes.capacity import ZOO  # noqa: E402
 from e2.probes.runtime import Runtime  # noqa: E402
 from e2.series import Project  # noqa: E402
-from scheduler_report import print_faults, print_soak, print_steps  # noqa: E402
+from scheduler_report import (  # noqa: E402
+    print_faults,
+    print_prefix_hits,
+    print_soak,
+    print_steps,
+)
 from scheduler_workload import WorkloadSpec, step_ratio  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "scheduler_worker.py"
@@ -91,6 +102,16 @@ class Soak:
     mean_burst: int = 8
     workload: WorkloadSpec = field(default_factory=lambda: WorkloadSpec(
         seed=0, abort_share=0.02))
+
+
+# The prefix-hit matrix: the soak's workload without aborts, per model and
+# budget, fewer requests where a budget holds more at once (the same work).
+HIT_SOAKS = tuple(
+    Soak(model=model, budget_gib=gib, requests=requests,
+         workload=WorkloadSpec(seed=0))
+    for model in ("Qwen3.5-0.8B", "Qwen3-Next-80B-A3B")
+    for gib, requests in ((1.0, 4_000), (4.0, 3_000), (10.0, 3_000))
+)
 
 
 # ---------------------------------------------------------------- workers
@@ -315,8 +336,10 @@ def main() -> int:
                         help="fresh stock/E2 worker pairs, one after the other")
     parser.add_argument("--soak-requests", type=int, default=Soak.requests)
     parser.add_argument("--seed", type=int, default=0, help="the soak's seed")
-    parser.add_argument("--only", choices=("steps", "align-steps", "soak", "faults"),
-                        help="run one part")
+    parser.add_argument("--only", choices=("steps", "align-steps", "soak", "faults",
+                                           "prefix-hits"),
+                        help="run one part (prefix-hits: the soak per model and budget, "
+                             "not part of a default run)")
     parser.add_argument("--fault-requests", type=int, default=1_000,
                         help="the soak's requests the fault run replays")
     parser.add_argument("--control", action="store_true",
@@ -353,6 +376,9 @@ def main() -> int:
             if args.only in (None, "faults"):
                 faults = replace(soak, requests=args.fault_requests)
                 ok &= print_faults(faults, run_faults(runtime, faults, Path(tmp)))
+            if args.only == "prefix-hits":
+                ok &= print_prefix_hits([(hits, run_soak(runtime, hits, Path(tmp)))
+                                         for hits in HIT_SOAKS])
     except E2Error as exc:
         print(f"error: {exc}" + (f"\n  hint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
         return 2

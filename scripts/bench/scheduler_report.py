@@ -40,7 +40,22 @@ def soak_problems(side: str, result: dict) -> list[str]:
     if not result["audit"]["clean"]:
         problems.append(f"{side}: the pool is not back to its start: "
                         f"{json.dumps(result['audit'])}")
+    states = result.get("states")
+    if states and (states["distinct_wrong"] or states["wrong_resumes"]):
+        problems.append(f"{side}: {states['distinct_wrong']} cached states hold another "
+                        f"token count's state, {states['wrong_resumes']} chunks resumed from "
+                        f"a wrong state (first: {'; '.join(states['examples'][:3])})")
     return problems
+
+
+def states_line(result: dict) -> str:
+    """What the state oracle saw of a soak (align mode), or nothing."""
+    states = result.get("states")
+    if not states:
+        return ""
+    return (f"; states: {states['distinct_wrong']} cached ones wrong of "
+            f"{states['cached_checked']:,} checks, {states['wrong_resumes']} wrong resumes "
+            f"in {states['chunks']:,} chunks")
 
 
 def print_steps(bench: StepBench, figures: dict, steps: int) -> bool:
@@ -90,7 +105,8 @@ def print_soak(soak: Soak, results: dict[str, dict]) -> bool:
                 f"{r['audit']['leaked_blocks']}{held}",
                 f"         prefix-hit tokens: {r['prefix_hit_tokens']:,} of "
                 f"{r['prompt_tokens']:,} prompt tokens on admission, "
-                f"{r['resume_hit_tokens']:,} more on resuming preempted requests"]
+                f"{r['resume_hit_tokens']:,} more on resuming preempted requests"
+                f"{states_line(r)}"]
 
     return print_sides(results, lines, soak_problems, "LEAK")
 
@@ -110,6 +126,43 @@ def print_faults(soak: Soak, results: dict[str, dict]) -> bool:
                 f"finished, {same}"]
 
     return print_sides(results, lines, fault_problems, "FAULT")
+
+
+def hit_problems(results: dict[str, dict]) -> list[str]:
+    """Why E2 failed a prefix-hit soak: fewer first-admission hits than stock,
+    a wrong cached state on either side, or a preemption where stock has none
+    (below saturation)."""
+    stock, e2 = results["stock"], results["e2"]
+    problems = soak_problems("stock", stock) + soak_problems("e2", e2)
+    if e2["prefix_hit_tokens"] < stock["prefix_hit_tokens"]:
+        problems.append(f"e2: {e2['prefix_hit_tokens']:,} prefix-hit tokens on admission, "
+                        f"fewer than stock's {stock['prefix_hit_tokens']:,}")
+    if e2["preemptions"] > stock["preemptions"]:
+        problems.append(f"e2: {e2['preemptions']} preemptions, stock {stock['preemptions']}")
+    return problems
+
+
+def print_prefix_hits(rows: list[tuple[Soak, dict[str, dict]]]) -> bool:
+    """The prefix-hit table: first-admission hits and the oracle, per model and
+    budget; False when any row has a problem."""
+    print("prefix hits, mamba align + prefix caching, the soak's workload; first-admission "
+          "prefix-hit tokens (resumed requests apart), wrong cached states, preemptions")
+    print(f"  {'model':20} {'GiB':>4} {'requests':>8} {'stock hits':>12} {'e2 hits':>12} "
+          f"{'ratio':>6}  {'wrong s/e':>9}  {'preempt s/e':>11}  {'resume hits s/e':>17}")
+    problems = []
+    for soak, results in rows:
+        stock, e2 = results["stock"], results["e2"]
+        wrong = [(r.get("states") or {}).get("distinct_wrong", "-") for r in (stock, e2)]
+        print(f"  {soak.model:20} {soak.budget_gib:>4g} {soak.requests:>8} "
+              f"{stock['prefix_hit_tokens']:>12,} {e2['prefix_hit_tokens']:>12,} "
+              f"{e2['prefix_hit_tokens'] / max(stock['prefix_hit_tokens'], 1):>6.2f}  "
+              f"{wrong[0]:>4}/{wrong[1]:<4}  "
+              f"{stock['preemptions']:>5}/{e2['preemptions']:<5}  "
+              f"{stock['resume_hit_tokens']:>8,}/{e2['resume_hit_tokens']:<8,}")
+        problems += [f"{soak.model} {soak.budget_gib:g} GiB: {p}" for p in hit_problems(results)]
+    for problem in problems:
+        print(f"  HITS {problem}")
+    return not problems
 
 
 def print_sides(results: dict[str, dict], lines: Callable[[str, dict], list[str]],

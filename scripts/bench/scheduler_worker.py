@@ -83,7 +83,8 @@ def _emulate_target(model: Path) -> None:
 class SchedulerHarness:
     """vLLM's Scheduler on a planned KV cache, its requests, and a fake model."""
 
-    def __init__(self, args: argparse.Namespace, spec: WorkloadSpec) -> None:
+    def __init__(self, args: argparse.Namespace, spec: WorkloadSpec,
+                 check_states: bool = False) -> None:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import (
             get_request_block_hasher,
@@ -135,10 +136,11 @@ class SchedulerHarness:
         from vllm.utils.gc_utils import freeze_gc_heap
 
         freeze_gc_heap()
-        # In mamba `align` mode the soak and the faults also replay the worker's
-        # state copies and check every cached state's content (state_oracle.py).
+        # With check_states (the soak and the faults) in mamba `align` mode, the
+        # worker's state copies are replayed and every cached state's content
+        # checked (state_oracle.py).
         self.oracle = None
-        if args.mode != "steps" and args.mamba_cache_mode == "align":
+        if check_states and args.mamba_cache_mode == "align":
             from state_oracle import StateOracle
 
             self.oracle = StateOracle(self.scheduler)
@@ -359,7 +361,7 @@ def run_faults(args: argparse.Namespace, harness: SchedulerHarness, spec: Worklo
     runs = {}
     for run in ("as_is", "faults"):
         if run == "faults":
-            harness = SchedulerHarness(args, spec)
+            harness = SchedulerHarness(args, spec, check_states=True)
             faults = AllocationFaults.install(harness.scheduler)
         harness.next_token = history_token
         runs[run] = drive_soak(args, harness, spec)
@@ -386,7 +388,7 @@ def main() -> int:
         import vllm
 
         spec = WorkloadSpec(**json.loads(args.workload))
-        harness = SchedulerHarness(args, spec)
+        harness = SchedulerHarness(args, spec, check_states=args.mode != "steps")
         send({"vllm_file": vllm.__file__, "pool": type(harness.pool).__name__})
         modes = {"steps": run_steps, "soak": run_soak, "faults": run_faults}
         modes[args.mode](args, harness, spec, send)
