@@ -28,11 +28,14 @@ from e2.upstream import UpstreamCache
 REPO_ROOT = Path(__file__).resolve().parents[1]
 AUTHOR = {"user.name": "E2 Tester", "user.email": "tester@vllm-e2.invalid"}
 TEST_CACHE_ENV = "E2_TEST_CACHE"
-# The real series' seam tests a run on a machine without a GPU, (collected, skipped), each the
-# same with the patch's switch on and off. 0001: the switch registry's tests over both switches;
-# 0002: the state pool's, where the cases on CUDA tensors and the slab-only test's control skip.
-# One home for the figure: a patch that adds a seam test moves this line and nothing else.
-SEAM_TESTS_WITHOUT_GPU = {"0001": (46, 0), "0002": (122, 14)}
+# The real series' seam tests a run on a machine without a GPU, (collected, skipped), as
+# shipped (e2) and with the patch's switch flipped (control): the tests read the switch from
+# the environment. 0001: the switch registry's tests over both switches; 0002: the state
+# pool's, where the cases on CUDA tensors skip, and in the control the tests of slab pages
+# and packed states, which exist only with the switch on.
+# One home for the figures: a patch that adds a seam test moves this line and nothing else.
+SEAM_TESTS_WITHOUT_GPU = {"0001": {"e2": (46, 0), "control": (46, 0)},
+                          "0002": {"e2": (85, 6), "control": (85, 8)}}
 
 
 @pytest.fixture(scope="session", autouse=True)

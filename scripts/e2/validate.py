@@ -9,8 +9,9 @@ PYTHONPATH. ``-P`` and ``--import-mode=importlib`` keep the checkout's own
 
 * seam: per patch, its declared tests must pass on E2 with every switch at
   its default, must still pass with the patch's switch flipped (the control:
-  they are parametrized over it), and must fail on stock (proof they test
-  the patch).
+  the tests read the switch from the environment and must then find
+  upstream's behaviour), and must fail on stock (proof they test the patch:
+  files that import there fail on their assertions).
 * upstream: upstream's own suites run twice; a test that passes on stock
   and fails on E2 is a regression (non-zero exit).
 
@@ -140,6 +141,10 @@ class Sides:
                    # engine processes is (junit.root_cause). Not junit_log_passing_tests
                    # =false: pytest then drops the output of a failed setup too
                    "-o", "junit_logging=out-err",
+                   # a file that cannot import on a side is an error there, and the
+                   # other files still run: a seam test that imports on stock vLLM
+                   # must fail on what it asserts, not only on an import
+                   "--continue-on-collection-errors",
                    f"--timeout={self.timeout}", *targets]
         started, wall = time.monotonic(), time.time()
         with log.open("w") as handle:

@@ -80,8 +80,8 @@ def test_kit_runs_each_patch_and_its_control_offline(real_project, bare_venv, tm
     counts = {(r["patch"], r["run"]): (r["passed"], r["failed"], r["skipped"])
               for r in summary["runs"]}
     assert counts == {(patch, run): (tests - skipped, 0, skipped)
-                      for patch, (tests, skipped) in SEAM_TESTS_WITHOUT_GPU.items()
-                      for run in ("e2", "control")}
+                      for patch, runs in SEAM_TESTS_WITHOUT_GPU.items()
+                      for run, (tests, skipped) in runs.items()}
     control = next(r for r in summary["runs"] if (r["patch"], r["run"]) == ("0002", "control"))
     assert control["switches"] == {"VLLM_E2_STATE_POOL": "0"}
 

@@ -41,7 +41,6 @@ def test_seam_real_series(real_project, tmp_path):
     patches = {p["id"]: p for p in data["patches"]}
     assert list(patches) == ["0001", "0002"]
     for patch_id, control in (("0001", "VLLM_E2_REPORT=0"), ("0002", "VLLM_E2_STATE_POOL=0")):
-        tests, skipped = SEAM_TESTS_WITHOUT_GPU[patch_id]
         patch = patches[patch_id]
         assert patch["verdict"] == "passed"
         checks = {c["kind"]: c for c in patch["checks"]}
@@ -49,11 +48,19 @@ def test_seam_real_series(real_project, tmp_path):
         for kind in ("e2", "control"):
             outcomes = list(checks[kind]["outcomes"].values())
             assert checks[kind]["returncode"] == 0
-            assert (len(outcomes), outcomes.count("skipped")) == (tests, skipped)
+            assert (len(outcomes), outcomes.count("skipped")) == SEAM_TESTS_WITHOUT_GPU[
+                patch_id][kind]
             assert set(outcomes) <= {"passed", "skipped"}
         assert control in checks["control"]["label"]
-        assert checks["stock"]["returncode"] == 2  # vllm.e2 does not exist: collection error
-        assert set(checks["stock"]["outcomes"].values()) == {"error"}
+        stock = checks["stock"]["outcomes"]
+        # 0001's registry and 0002's pool tests import E2's modules: collection errors;
+        # 0002's align tests import on stock and fail on what they assert
+        if patch_id == "0001":
+            assert checks["stock"]["returncode"] == 2 and set(stock.values()) == {"error"}
+        else:
+            assert checks["stock"]["returncode"] == 1
+            align = {t: o for t, o in stock.items() if "test_state_pool_align" in t}
+            assert align and "failed" in align.values()
     markdown = (tmp_path / "seam.md").read_text()
     assert "| 0001 | VLLM_E2_REPORT |" in markdown
     assert "| 0002 | VLLM_E2_STATE_POOL |" in markdown

@@ -961,12 +961,11 @@ class Platform:
                 # For hybrid MLA/Mamba models, make the manager block size a
                 # multiple of 128 so split kernel blocks keep that invariant.
                 kernel_block_alignment_size = max(kernel_block_alignment_size, 128)
-
-        # vLLM E2: the block attention slabs are cut at (VLLM_E2_STATE_POOL).
-        cache_config.e2_attention_block_size = min(
-            s.base if isinstance(s, MultipleOf) else s
-            for s in backend_cls.get_supported_kernel_block_sizes()
-        )
+            # vLLM E2: the block attention slabs are cut at (state_pool.py).
+            cache_config.e2_attention_block_size = min(
+                s.base if isinstance(s, MultipleOf) else s
+                for s in backend_cls.get_supported_kernel_block_sizes()
+            )
 
         if cache_config.mamba_cache_mode == "all":
             # With prefix caching, align to mamba chunk size for kernel perf

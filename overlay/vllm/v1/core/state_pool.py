@@ -96,6 +96,8 @@ def slab_ineligibility(
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
     if layout.is_block_outermost:
         return f"KV cache layout {layout.name} packs several layers per block"
+    if len({g.kv_cache_spec.block_size for g in attention}) > 1:
+        return "attention groups of different block sizes"
     natural = natural_block_size(vllm_config, attention)
     if natural is None:
         return "the attention backend's natural block size is unknown"

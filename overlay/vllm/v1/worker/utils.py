@@ -170,15 +170,14 @@ class KVBlockZeroer:
                     continue
                 dp = kv.data_ptr()
 
-                # Kernel blocks per scheduler block. vLLM E2: an attention
-                # slab has k scheduler blocks per pool page and a tail past
-                # the last page, so this is not kv.shape[0] // num_blocks
-                # there (its blocks are kernel blocks: ratio 1).
-                ratio = spec.block_size // kernel_bs
-                assert ratio == 1 or kv.shape[0] % num_blocks == 0, (
+                # vLLM E2: an attention slab's blocks are kernel blocks, k per
+                # pool page and a tail past the last (state_pool.py).
+                slab = spec.block_size == kernel_bs
+                assert slab or kv.shape[0] % num_blocks == 0, (
                     f"{layer_name}: {kv.shape[0]} kernel blocks is not a "
                     f"multiple of {num_blocks} logical blocks"
                 )
+                ratio = 1 if slab else kv.shape[0] // num_blocks
 
                 el = kv.element_size()
                 block_stride_bytes = kv.stride(0) * el
