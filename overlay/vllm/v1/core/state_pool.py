@@ -57,19 +57,42 @@ logger = init_logger(__name__)
 # ---------------------------------------------------------------- planning
 
 
-def slab_ineligibility(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> str | None:
-    """Why this model keeps upstream's shared pool, or None when it can slab.
-
-    Features that address every group's blocks by one id space (KV connectors,
-    HiSparse, decode/prefill context parallel, hidden-state layers, Mamba mode
-    ``all``) and layouts whose blocks hold several layers keep upstream's path.
-    """
+def config_ineligibility(vllm_config: VllmConfig) -> str | None:
+    """Why this configuration keeps upstream's shared pool whatever the
+    model's groups, or None. Read where the `align` state block is chosen
+    (align_state_block_size) and again when the pool is planned, so both
+    decide alike: features that address every group's blocks by one id
+    space (KV connectors, HiSparse, decode/prefill context parallel) and MLA
+    attention, which the slab does not cut."""
     from vllm import envs
 
     if not envs.VLLM_E2_STATE_POOL:
         return "VLLM_E2_STATE_POOL=0"
+    if vllm_config.kv_transfer_config is not None:
+        return "a KV connector addresses all groups by one block id space"
+    if vllm_config.attention_config.hisparse_config is not None:
+        return "HiSparse"
+    parallel = vllm_config.parallel_config
+    if parallel.decode_context_parallel_size > 1:
+        return "decode context parallel"
+    if getattr(parallel, "prefill_context_parallel_size", 1) > 1:
+        return "prefill context parallel"
+    model_config = vllm_config.model_config
+    if model_config is not None and model_config.use_mla:
+        return "MLA attention"
+    return None
+
+
+def slab_ineligibility(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> str | None:
+    """Why this model keeps upstream's shared pool, or None when it can slab:
+    config_ineligibility, then what only the planned groups tell (hidden-state
+    layers, Mamba mode ``all``, layouts whose blocks hold several layers).
+    """
+    reason = config_ineligibility(vllm_config)
+    if reason is not None:
+        return reason
     groups = kv_cache_config.kv_cache_groups
     state = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
     attention = [g for g in groups if type(g.kv_cache_spec) is FullAttentionSpec]
@@ -80,15 +103,6 @@ def slab_ineligibility(
     modes = {g.kv_cache_spec.mamba_cache_mode for g in state}
     if not modes <= {"none", "align"}:
         return f"mamba_cache_mode {'/'.join(sorted(modes))}"
-    if vllm_config.kv_transfer_config is not None:
-        return "a KV connector addresses all groups by one block id space"
-    if vllm_config.attention_config.hisparse_config is not None:
-        return "HiSparse"
-    parallel = vllm_config.parallel_config
-    if parallel.decode_context_parallel_size > 1:
-        return "decode context parallel"
-    if getattr(parallel, "prefill_context_parallel_size", 1) > 1:
-        return "prefill context parallel"
     if kv_cache_config.kv_cache_groups and any(
         t.host_resident for t in kv_cache_config.kv_cache_tensors
     ):
@@ -137,18 +151,8 @@ def align_state_block_size(vllm_config: VllmConfig, attention_block: int) -> int
     ALIGN_STATE_BLOCK_TOKENS, a multiple of the natural attention block, so
     prefix hits come at least that often. Settings that keep upstream's pool
     whatever the layout keep upstream's state block too."""
-    from vllm import envs
-
     natural = vllm_config.cache_config.e2_attention_block_size
-    parallel = vllm_config.parallel_config
-    if (
-        not envs.VLLM_E2_STATE_POOL
-        or natural is None
-        or vllm_config.kv_transfer_config is not None
-        or vllm_config.attention_config.hisparse_config is not None
-        or parallel.decode_context_parallel_size > 1
-        or getattr(parallel, "prefill_context_parallel_size", 1) > 1
-    ):
+    if natural is None or config_ineligibility(vllm_config) is not None:
         return attention_block
     block = ALIGN_STATE_BLOCK_TOKENS // natural * natural
     return block if natural <= block < attention_block else attention_block
@@ -187,7 +191,7 @@ def cut_attention_slab(
     if reason is not None:
         if reason != "VLLM_E2_STATE_POOL=0":
             logger.info_once("E2 state pool off: %s; upstream's shared pool.", reason)
-        return kv_cache_config
+        return upstream_state_blocks(kv_cache_config)
     natural = natural_block_size(
         vllm_config,
         [g for g in kv_cache_config.kv_cache_groups if type(g.kv_cache_spec) is FullAttentionSpec],
@@ -222,6 +226,41 @@ def cut_attention_slab(
             replace(tensor, block_stride=tensor.block_stride // k, blocks_per_page=k)
         )
     return replace(kv_cache_config, kv_cache_groups=groups, kv_cache_tensors=tensors)
+
+
+def upstream_state_blocks(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
+    """A plan refused the slab after align_state_block_size chose a finer
+    state block than the attention block (a refusal only the planned groups
+    show): the `align` state groups get upstream's block back, the attention
+    block, so the pool is upstream's in full (its scheduler block, hash size
+    and prefix-hit points). Both runners read the state block from the plan."""
+    groups = kv_cache_config.kv_cache_groups
+    attention = {
+        g.kv_cache_spec.block_size
+        for g in groups
+        if not isinstance(g.kv_cache_spec, MambaSpec)
+    }
+    if len(attention) != 1:
+        return kv_cache_config
+    (block,) = attention
+    if not any(
+        isinstance(g.kv_cache_spec, MambaSpec)
+        and g.kv_cache_spec.mamba_cache_mode == "align"
+        and g.kv_cache_spec.block_size != block
+        for g in groups
+    ):
+        return kv_cache_config
+    logger.info_once("E2 state pool off: `align` states back at the %d-token block.", block)
+    return replace(
+        kv_cache_config,
+        kv_cache_groups=[
+            replace(g, kv_cache_spec=replace(g.kv_cache_spec, block_size=block))
+            if isinstance(g.kv_cache_spec, MambaSpec)
+            and g.kv_cache_spec.mamba_cache_mode == "align"
+            else g
+            for g in groups
+        ],
+    )
 
 
 # A state padded to whole attention blocks wastes up to a block per state

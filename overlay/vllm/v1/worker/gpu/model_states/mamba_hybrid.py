@@ -114,9 +114,15 @@ class MambaHybridModelState(DefaultModelState):
         self.num_accepted_tokens_gpu[req_index].fill_(1)
         if self._align_mode:
             # Seed the running state block from the resumed/prefilled position.
+            # vLLM E2: the state block of the plan, which the attention's
+            # cache_config.block_size is not under VLLM_E2_STATE_POOL (a first
+            # request has no prefix hit: the plan is read by then).
+            spec = self._mamba_spec
+            state_block = (
+                spec.block_size if spec is not None else self.cache_config.mamba_block_size
+            )
             self._mamba_state_idx_gpu[req_index].fill_(
-                (new_req_data.num_computed_tokens - 1)
-                // self.cache_config.mamba_block_size
+                (new_req_data.num_computed_tokens - 1) // state_block
             )
 
     def _get_mamba_group_info(
