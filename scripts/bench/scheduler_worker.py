@@ -41,6 +41,7 @@ import worker_planner  # noqa: E402
 import worker_target  # noqa: E402
 import worker_workload  # noqa: E402
 from scheduler_workload import RequestShape, WorkloadSpec, arrivals, stream  # noqa: E402
+from state_oracle import StateOracle  # noqa: E402
 
 MAX_STEPS = 2_000_000
 Send = Callable[[dict], None]  # writes one JSON line to the driver
@@ -137,13 +138,9 @@ class SchedulerHarness:
 
         freeze_gc_heap()
         # With check_states (the soak and the faults) in mamba `align` mode, the
-        # worker's state copies are replayed and every cached state's content
-        # checked (state_oracle.py).
-        self.oracle = None
-        if check_states and args.mamba_cache_mode == "align":
-            from state_oracle import StateOracle
-
-            self.oracle = StateOracle(self.scheduler)
+        # worker's state copies are replayed and every cached state checked.
+        self.oracle = (StateOracle(self.scheduler)
+                       if check_states and args.mamba_cache_mode == "align" else None)
 
     def add(self, shape: RequestShape) -> None:
         from vllm.sampling_params import SamplingParams

@@ -28,6 +28,7 @@ from e2.probes.serve_settings import (
     MODES,
     SEED,
     SERVED_NAME,
+    TOP_LOGPROBS,
     VOCAB,
 )
 
@@ -96,9 +97,23 @@ def build_cases(block: int, capacity: int, max_model_len: int = MAX_MODEL_LEN,
     return cases
 
 
-def _body(prompt: list[int] | list[list[int]], max_tokens: int) -> dict:
-    return {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
+def _body(prompt: list[int] | list[list[int]], max_tokens: int,
+          logprobs: bool = False) -> dict:
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    if logprobs:
+        body |= {"logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True}
+    return body
+
+
+def top_logprobs(choice: dict) -> list[list[list[float]]] | None:
+    """Each output position's top tokens as [token id, logprob] pairs."""
+    logprobs = choice.get("logprobs") or {}
+    tops = logprobs.get("top_logprobs")
+    if not tops:
+        return None
+    return [[[int(token.removeprefix("token_id:")), round(lp, 4)]
+             for token, lp in (top or {}).items()] for top in tops]
 
 
 # How often the concurrent case reads the engine's running-requests gauge.
@@ -135,8 +150,8 @@ def run_case(engine: Engine, case: Case) -> dict:
         # Concurrent requests, held at a paused engine until all are queued: otherwise
         # they land in the engine's steps by timing, the schedule (and with it the
         # preemptions) differs from run to run, and bf16 numerics follow the batch.
-        posted = engine.post_all([_body(p, case.max_tokens) for p in case.prompts],
-                                 hold=HOLD_S, poll=RUNNING_POLL_S)
+        posted = engine.post_all([_body(p, case.max_tokens, logprobs=True)
+                                  for p in case.prompts], hold=HOLD_S, poll=RUNNING_POLL_S)
         answers, running = posted["answers"], RunningSamples(posted["running"])
         pairs = [(a, (a.get("choices") or [{}])[0]) for a in answers]
     else:
@@ -153,6 +168,8 @@ def run_case(engine: Engine, case: Case) -> dict:
                          "finish_reason": choice.get("finish_reason"),
                          "error": answer.get("error") or (None if ids is not None
                                                           else "no token_ids in the answer")})
+        if case.concurrent:
+            requests[-1]["top_logprobs"] = top_logprobs(choice)
 
     def delta(name: str) -> int:
         return int(after.get(name, 0.0) - before.get(name, 0.0))

@@ -50,10 +50,16 @@ def _row_view(row: Row, what: str) -> dict:
     """A row's cells as the Markdown table shows them (a side without a count: 0)."""
     path = " / ".join(row.exercised.get(s, "") for s in SIDES) if row.exercised else ""
     return {"mode": row.mode, "case": row.case, "what": what, "skipped": row.skipped,
-            "requests": row.requests, "matched": row.matched, "path": path,
+            "requests": row.requests, "matched": _matched(row), "path": path,
             "verdict": row.verdict,
             "complete": {s: row.complete.get(s, 0) for s in SIDES},
             "output_tokens": {s: row.output_tokens.get(s, 0) for s in SIDES}}
+
+
+def _matched(row: Row) -> str:
+    """Exact matches of all, and those that parted only at a near tie."""
+    close = f" (+{row.close} at a near tie)" if row.close else ""
+    return f"{row.matched}/{row.requests}{close}"
 
 
 def conclude(record: dict, report_dir: Path | None, name: str) -> int:
@@ -72,7 +78,7 @@ def conclude(record: dict, report_dir: Path | None, name: str) -> int:
                       f"{row.complete.get('stock', 0)}/{row.complete.get('e2', 0)} of "
                       f"{row.requests}",
                       f"{row.output_tokens.get('stock', 0)}/{row.output_tokens.get('e2', 0)}",
-                      f"{row.matched}/{row.requests}",
+                      _matched(row),
                       escape(" / ".join(row.exercised.get(s, "") for s in SIDES)),
                       f"[{colour}]{row.verdict}[/]")
     console.out.print(table)

@@ -20,3 +20,8 @@ MODES = ("sync", "async")
 SIDES = ("stock", "e2")
 CPU_ASYNC_SKIP = "not run on the CPU (the GPU host covers them)"
 FORMAT = 1
+# Top tokens a concurrent case's requests return per position: where stock and E2
+# batch the requests differently, greedy tokens may part at a near tie (bf16 sums in
+# an order that follows the batch on AMX and AVX512-BF16 CPUs), and each side's
+# token must then be among the other's top ones (vLLM's check_logprobs_close).
+TOP_LOGPROBS = 5
