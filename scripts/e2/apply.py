@@ -107,7 +107,23 @@ def check_patch_file(project: Project, patch: Patch) -> str:
     if not files:
         raise E2Error(f"{where} holds no diff (no file changes)",
                       hint="restore it (git checkout -- patches/) or re-export it")
+    missing = _missing_mail_header(text)
+    if missing:
+        raise E2Error(f"{where} has no mail header: it is a plain diff, not git format-patch "
+                      f"output (no {' and no '.join(missing)})",
+                      hint="commit the change in a worktree (e2 apply) and export it "
+                           "(e2 export), or write it with git format-patch")
     return text
+
+
+def _missing_mail_header(text: str) -> list[str]:
+    """What git am needs of the header git format-patch writes (the lines before the
+    first blank one) and ``text`` lacks: its 'From <commit>' line, its Subject."""
+    header = text.split("\n\n", 1)[0].splitlines()
+    missing = [] if header and header[0].startswith("From ") else ["'From ' line"]
+    if not any(line.startswith("Subject:") for line in header):
+        missing.append("'Subject:'")
+    return missing
 
 
 def _staging(dest: Path) -> Path:

@@ -19,6 +19,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import git
+
 from e2 import console, crash
 from e2.apply import UpstreamOptions
 from e2.cache import Cache
@@ -36,6 +38,7 @@ from e2.commands import (
     verify,
 )
 from e2.errors import E2Error
+from e2.gitops import GIT_MISSING, GIT_MISSING_HINT, require_git
 from e2.options import GlobalOptions
 from e2.series import Project
 from e2.upstream import UpstreamCache
@@ -57,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="use this local tree or sdist tarball as the pinned upstream")
     parser.add_argument("--source", choices=("auto", "sdist", "git"), default="auto",
                         help="where to fetch upstream from (default: sdist, else git)")
+    # every verb runs git but those whose parser sets needs_git=False
+    parser.set_defaults(needs_git=True)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for verb in VERBS:
         verb.add_parser(subparsers)
@@ -68,11 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cache = Cache.at(args.cache)
     try:
+        if args.needs_git:
+            require_git()
         options = GlobalOptions(Project.find(args.project), cache, UpstreamOptions(
             UpstreamCache(cache), args.source, args.upstream_path))
         return args.run(options, verb_options(args))
     except E2Error as exc:
         return _report(exc.message, exc.hint, exc.exit_code)
+    except git.GitCommandNotFound:  # git gone from PATH while the verb ran
+        return _report(GIT_MISSING, GIT_MISSING_HINT, 1)
     except KeyboardInterrupt:
         return _report("interrupted", None, 130)
     except OSError as exc:
@@ -81,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                        "fix the permissions, space or path named, then run it again", 1)
     except Exception as exc:  # noqa: BLE001 - the one place that turns bugs into a line
         log = crash.write_crash_log(exc, argv, cache.crash_log)
-        where = f"details in {log}" if log else "no crash log could be written"
-        return _report(f"unexpected {type(exc).__name__}: {exc} ({where})",
-                       "please report it with that log", 3)
+        return _report(crash.crash_line(exc, log), "please report it with that log", 3)
 
 
 def verb_options(args: argparse.Namespace) -> object:
@@ -96,7 +103,7 @@ def verb_options(args: argparse.Namespace) -> object:
 
 
 def _report(message: str, hint: str | None, code: int) -> int:
-    console.error(message.splitlines()[0] if code == 3 else message)
+    console.error(message)
     if hint:
         console.err.print(f"hint: {hint}", markup=False, highlight=False)
     return code

@@ -31,6 +31,14 @@ def os_error_message(exc: OSError) -> str:
     return f"{where}: {exc.strerror or exc}"
 
 
+def crash_line(exc: BaseException, log: Path | None) -> str:
+    """The terminal's one line for an unexpected exception: its type, the first line
+    of its text (the rest is in the log) and where the log is."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    where = f"details in {log}" if log else "no crash log could be written"
+    return f"unexpected {type(exc).__name__}{': ' + first if first else ''} ({where})"
+
+
 def write_crash_log(exc: BaseException, argv: list[str], log: Path) -> Path | None:
     """Append the report to ``log`` (the cache's crash log), else to a file of that name
     in the temporary folder; None when even that cannot be written."""

@@ -46,8 +46,9 @@ def render_dockerfile(project: Project, series: Series, manifest: dict) -> str:
     if not template_path.is_file():
         raise E2Error(f"{template_path}: no such file (the Dockerfile template)")
     try:
-        template = env.from_string(template_path.read_bytes().decode("utf-8"))
-        return _render(template, series, manifest)
+        tree = env.parse(template_path.read_bytes().decode("utf-8"))
+        _refuse_other_templates(tree, template_path)
+        return _render(env.from_string(tree), series, manifest)
     except UnicodeDecodeError as exc:
         raise E2Error(f"{template_path}: not UTF-8 text (byte {exc.start})",
                       hint="restore the template: git checkout -- " + TEMPLATE) from None
@@ -58,6 +59,20 @@ def render_dockerfile(project: Project, series: Series, manifest: dict) -> str:
         raise E2Error(f"{template_path}: cannot render: {exc}",
                       hint="the template may use only the names render_dockerfile passes "
                            "(scripts/e2/dockerfile.py)") from None
+
+
+# the tags that would load another template: the renderer has no loader, and the
+# template (with the Dockerfile it renders) must say all the image holds
+_LOADING_TAGS = {jinja2.nodes.Include: "include", jinja2.nodes.Import: "import",
+                 jinja2.nodes.FromImport: "from", jinja2.nodes.Extends: "extends"}
+
+
+def _refuse_other_templates(tree: jinja2.nodes.Template, template_path: Path) -> None:
+    node = next(tree.find_all(tuple(_LOADING_TAGS)), None)
+    if node is not None:
+        raise E2Error(f"{template_path}:{node.lineno}: {{% {_LOADING_TAGS[type(node)]} %}} is "
+                      "not allowed: the Dockerfile template loads no other template",
+                      hint="write what that template holds into " + TEMPLATE)
 
 
 def _render(template: jinja2.Template, series: Series, manifest: dict) -> str:

@@ -47,6 +47,16 @@ BRANCH = "e2"
 AM_FELL_BACK = "Falling back to patching base and 3-way merge"
 
 
+GIT_MISSING = "git is not on PATH (e2 needs it)"
+GIT_MISSING_HINT = "install git (apt-get install git, brew install git), or put it on PATH"
+
+
+def require_git() -> None:
+    """Refuse at once, in one line, when there is no git to run."""
+    if shutil.which("git") is None:
+        raise E2Error(GIT_MISSING, hint=GIT_MISSING_HINT)
+
+
 def git_am(repo: git.Repo, patch_files: list[Path],
            on_line: Callable[[str], None] | None = None) -> tuple[int, list[str]]:
     """``git am --3way`` of ``patch_files`` in ``repo``'s worktree as the driver commits

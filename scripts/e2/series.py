@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 from filelock import FileLock, Timeout
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from e2.errors import E2Error
 from e2.fsio import write_atomic
@@ -152,6 +153,22 @@ class Series(_Strict):
     image: ImagePin
     patches: list[Patch] = Field(default_factory=list)
 
+    @field_validator("patches")
+    @classmethod
+    def _one_file_each(cls, patches: list[Patch]) -> list[Patch]:
+        # two entries on one file would apply it twice and name it twice in the image
+        first: dict[str, Patch] = {}
+        for index, patch in enumerate(patches):
+            earlier = first.setdefault(patch.file, patch)
+            if earlier is not patch:
+                twice = ("twice, both times as {first}" if earlier.id == patch.id
+                         else "under two ids, {first} and {second}")
+                raise PydanticCustomError(
+                    "duplicate_file", "{file} is listed " + twice + " (each patch has a file "
+                    "of its own)", {"file": patch.file, "first": earlier.id, "second": patch.id,
+                                    "at": ("patches", index, "file")})
+        return patches
+
     def by_id(self, patch_id: str) -> Patch:
         for patch in self.patches:
             if patch.id == patch_id:
@@ -245,14 +262,36 @@ class Project:
 # ---------------------------------------------------------------- loading
 
 
+class _Refused(yaml.composer.ComposerError):
+    """An anchor or alias: valid YAML that series.yaml may not hold."""
+
+
+class _PlainLoader(yaml.SafeLoader):
+    """The safe loader, refusing an anchor or alias before composing it: series.yaml is
+    plain data, and an alias bomb (a billion laughs) is never expanded."""
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            kind = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"
+            raise _Refused(problem=f"YAML {kind}{anchor}: series.yaml may not use anchors "
+                                   "or aliases (write each value out)",
+                           problem_mark=event.start_mark)
+        return super().compose_node(parent, index)
+
+
 def _compose_with_marks(text: str, path: Path) -> tuple[Any, dict[tuple, tuple[int, int]]]:
     """Parse YAML into plain data plus a map from key path to (line, column)."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_PlainLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(exc, "problem", None) or str(exc)
+        if isinstance(exc, _Refused):
+            raise E2Error(f"{where}: {problem}", hint="series.yaml holds plain data only: "
+                          "write the value out where the alias stands") from None
         raise E2Error(f"{where}: invalid YAML: {problem}") from None
     marks: dict[tuple, tuple[int, int]] = {}
     constructor = yaml.SafeLoader("")
@@ -301,7 +340,7 @@ def parse_series(text: str, path: Path) -> Series:
     except ValidationError as exc:
         lines = []
         for error in exc.errors():
-            loc = tuple(error["loc"])
+            loc = tuple(error.get("ctx", {}).get("at", error["loc"]))
             # pydantic appends union/literal tags to loc; trim to what exists in the file
             known = loc
             while known and known not in marks:
@@ -331,7 +370,8 @@ def load_series(path: Path) -> Series:
 
 
 class _Dumper(yaml.SafeDumper):
-    pass
+    def ignore_aliases(self, data: Any) -> bool:
+        return True  # a value met twice is written out twice: the loader refuses aliases
 
 
 def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.Node:

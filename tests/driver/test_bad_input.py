@@ -115,6 +115,33 @@ def prose_patch(root: Path) -> None:
     first_patch(root).write_text("This is not a diff, just some notes.\n")
 
 
+def plain_diff_patch(root: Path) -> None:
+    """The patch as `git diff` prints it: the diff alone, no mail header."""
+    patch = first_patch(root)
+    data = patch.read_bytes()
+    patch.write_bytes(data[data.index(b"diff --git "):])
+
+
+# a billion laughs in small: each line holds nine of the one before
+ALIAS_BOMB = "lol0: &l0 lol\n" + "".join(
+    f"lol{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 9)}]\n" for n in range(1, 6))
+
+
+def alias_bomb(root: Path) -> None:
+    series = root / "series.yaml"
+    text = series.read_text()
+    start = text.index("upstream:")
+    series.write_text(text[:start] + ALIAS_BOMB + text[start:])
+
+
+def one_file_two_ids(root: Path) -> None:
+    """The second entry lists the first one's file; its own file is gone."""
+    first, second = sorted(p.name for p in (root / "patches").glob("*.patch"))[:2]
+    series = root / "series.yaml"
+    series.write_text(series.read_text().replace(f"file: {second}", f"file: {first}"))
+    (root / "patches" / second).unlink()
+
+
 def overlay_file(root: Path) -> Path:
     manifest = json.loads((root / "overlay/MANIFEST.json").read_text())
     return root / "overlay" / next(f["path"] for f in manifest["files"] if not f["generated"])
@@ -256,10 +283,27 @@ CASES = [
     Case("patch-empty", empty_patch, ("apply",), "(patch 0001) is empty"),
     Case("patch-truncated", truncated_patch, ("apply",), "(patch 0001) is not a valid diff"),
     Case("patch-not-a-diff", prose_patch, ("verify",), "(patch 0001) holds no diff"),
+    Case("patch-plain-git-diff", plain_diff_patch, ("apply",),
+         "(patch 0001) has no mail header: it is a plain diff, not git format-patch output "
+         "(no 'From ' line and no 'Subject:')"),
+    Case("patch-plain-git-diff-under-verify", plain_diff_patch, ("verify",),
+         "(patch 0001) has no mail header: it is a plain diff, not git format-patch output"),
     Case("template-syntax-error", edit("images/engine/Dockerfile.j2", "FROM", "{% if %}\nFROM"),
          ("image", "render"), "Dockerfile.j2:"),
     Case("template-undefined-name", edit("images/engine/Dockerfile.j2", "FROM", "{{ nope }}\nFROM"),
          ("image", "render"), "Dockerfile.j2: cannot render: 'nope' is undefined"),
+    Case("template-include",
+         edit("images/engine/Dockerfile.j2", "FROM", "{% include 'base.j2' %}\nFROM"),
+         ("image", "render"), "Dockerfile.j2:11: {% include %} is not allowed"),
+    Case("template-import",
+         edit("images/engine/Dockerfile.j2", "FROM", "{% import 'macros.j2' as m %}\nFROM"),
+         ("image", "render"), "Dockerfile.j2:11: {% import %} is not allowed"),
+    Case("template-from-import",
+         edit("images/engine/Dockerfile.j2", "FROM", "{% from 'macros.j2' import m %}\nFROM"),
+         ("image", "render"), "Dockerfile.j2:11: {% from %} is not allowed"),
+    Case("template-extends",
+         edit("images/engine/Dockerfile.j2", "FROM", "{% extends 'base.j2' %}\nFROM"),
+         ("verify",), "Dockerfile.j2:11: {% extends %} is not allowed"),
     Case("template-binary-junk", write("images/engine/Dockerfile.j2", b"\xff\xfe\x00\x9c junk"),
          ("image", "render"), "Dockerfile.j2: not UTF-8 text"),
     Case("template-broken-under-verify",
@@ -275,6 +319,14 @@ CASES = [
     Case("series-yaml-tag",
          edit("series.yaml", "project: vllm", "project: !!python/object:os.system vllm"),
          ("status",), "series.yaml:5:12: invalid YAML"),
+    Case("series-yaml-alias-bomb", alias_bomb, ("status",),
+         "series.yaml:4:7: YAML anchor &l0: series.yaml may not use anchors or aliases"),
+    Case("series-yaml-alias-bomb-under-apply", alias_bomb, ("apply",),
+         "series.yaml:4:7: YAML anchor &l0"),
+    *[Case(f"series-one-file-two-ids-{'-'.join(args)}", one_file_two_ids, args,
+           "0001-envs-strict-vllm-e2-switch-registry-and-e2-boot.patch is listed under two "
+           "ids, 0001 and 0002")
+      for args in (("apply",), ("overlay",), ("image", "render"), ("status",))],
     Case("overlay-is-a-symlink", overlay_as_symlink, ("overlay",), "overlay is a symbolic link"),
     Case("out-is-a-regular-file", write("notes.txt", "mine\n"),
          ("apply", "--out", "{root}/notes.txt"), "notes.txt exists and is not a directory"),
@@ -326,3 +378,21 @@ def test_an_unexpected_error_is_one_line_and_a_crash_log(checkout, tmp_path, cap
     text = log.read_text()
     assert "e2 version: " in text and "platform: " in text and "command: e2 " in text
     assert "Traceback (most recent call last)" in text and "KeyError: 'a bug'" in text
+
+
+def test_a_multi_line_unexpected_error_still_names_the_crash_log(checkout, tmp_path, capsys,
+                                                                  monkeypatch):
+    from e2.commands import status
+
+    def broken(options, args):
+        raise ValueError("first line\nsecond line\nthird line")
+
+    monkeypatch.setattr(status, "run", broken)
+    code = cli.main(["--project", str(checkout), "--cache", str(tmp_path / "cache"), "status"])
+    _, err = capsys.readouterr()
+    assert code == 3
+    log = tmp_path / "cache" / "crash.log"
+    assert err.splitlines()[0] == (f"error: unexpected ValueError: first line (details in "
+                                   f"{log})")
+    assert "second line" not in err
+    assert "second line" in log.read_text()

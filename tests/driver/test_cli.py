@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 
 import pytest
+
+from conftest import copy_checkout
 
 
 def e2(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -51,3 +54,38 @@ def test_unknown_verb_is_a_usage_error():
     result = e2("frobnicate")
     assert result.returncode == 2
     assert "invalid choice: 'frobnicate'" in result.stderr
+
+
+def e2_without_git(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """`e2 ARGS` with a PATH that holds no git (the interpreter named by its full path)."""
+    bare = tmp_path / "bin"
+    bare.mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, "-m", "e2.cli", *args], cwd=tmp_path,
+                          env={"PATH": str(bare), "HOME": str(tmp_path)},
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_help_works_without_git(tmp_path):
+    result = e2_without_git(tmp_path, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: e2")
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("verb", ["status", "apply", "verify"])
+def test_a_verb_without_git_says_so_in_one_line(tmp_path, verb):
+    (tmp_path / "series.yaml").write_text("upstream: {}\n")
+    result = e2_without_git(tmp_path, "--cache", str(tmp_path / "cache"), verb)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines()[0] == "error: git is not on PATH (e2 needs it)"
+    assert len(result.stderr.splitlines()) <= 2  # the line and its hint
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / ".e2").exists() and not (tmp_path / "cache").exists()
+
+
+def test_image_render_needs_no_git(tmp_path):
+    project = copy_checkout(tmp_path / "project")
+    result = e2_without_git(tmp_path, "--project", str(project), "--cache",
+                            str(tmp_path / "cache"), "image", "render")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "Dockerfile already up to date\n"

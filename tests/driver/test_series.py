@@ -116,6 +116,52 @@ def test_missing_required_field_is_named():
     assert "patches[0].drop_when: Field required" in errors_of(text)
 
 
+# the billion laughs: nine levels of nine, 10^9 strings once expanded
+BILLION_LAUGHS = 'lol0: &l0 "lol"\n' + "".join(
+    f"lol{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 9)}]\n" for n in range(1, 10))
+
+
+def test_yaml_anchors_and_aliases_are_refused_before_expanding():
+    header, body = GOOD.split("upstream:", 1)
+    text = header + BILLION_LAUGHS + "upstream:" + body
+    line = header.count("\n") + 1
+    assert errors_of(text) == (f"series.yaml:{line}:7: YAML anchor &l0: series.yaml may not "
+                               "use anchors or aliases (write each value out)")
+
+
+def test_a_yaml_alias_is_refused_where_it_stands():
+    text = GOOD.replace("  version: 0.31.0", "  version: &v 0.31.0").replace(
+        "  tag: v0.31.0", "  tag: v0.31.0\n  extra: *v")
+    assert errors_of(text).startswith("series.yaml:6:12: YAML anchor &v")
+    text = GOOD.replace("patches:", "patches: *nowhere\nxpatches:")
+    line = text.splitlines().index("patches: *nowhere") + 1
+    assert errors_of(text).startswith(f"series.yaml:{line}:10: YAML alias *nowhere")
+
+
+def test_dump_writes_a_shared_value_out_twice_and_loads_back():
+    data = parse(with_patch()).model_dump(mode="json")
+    data["patches"].append({**data["patches"][0], "id": "0002", "file": "0002-y.patch"})
+    text = dump_series(data)  # the two entries share their switch and tests objects
+    assert "&" not in text and "*" not in text
+    switches = [p.switch.model_dump() for p in parse(text).patches]
+    assert switches == [data["patches"][0]["switch"]] * 2
+
+
+def test_one_file_under_two_ids_is_refused():
+    first = PATCH.format(id="'0001'", name="VLLM_E2_X", default="'1'")
+    second = PATCH.format(id="'0002'", name="VLLM_E2_Y", default="'1'").replace(
+        "patches:\n", "")
+    text = GOOD[:GOOD.index("patches:")] + first + second
+    line = [n for n, row in enumerate(text.splitlines(), 1) if row == "  file: 0001-x.patch"][1]
+    assert errors_of(text) == (f"series.yaml:{line}:3: patches[1].file: 0001-x.patch is "
+                               "listed under two ids, 0001 and 0002 (each patch has a file "
+                               "of its own)")
+    text = GOOD[:GOOD.index("patches:")] + first + first.replace("patches:\n", "")
+    assert errors_of(text) == (f"series.yaml:{line}:3: patches[1].file: 0001-x.patch is "
+                               "listed twice, both times as 0001 (each patch has a file of "
+                               "its own)")
+
+
 def test_series_digest_changes_with_patch_bytes(tmp_path):
     series = parse(with_patch())
     (tmp_path / "0001-x.patch").write_text("one\n")

@@ -61,8 +61,9 @@ def test_duplicate_and_gapped_ids_are_named(e2):
     real_project(e2)
     original = next(e2.project.patches_dir.glob("0001-*")).name
 
-    def duplicate(data):
-        data["patches"].append(dict(data["patches"][0]))
+    def duplicate(data):  # a file of its own: one file under two entries fails to load
+        shutil.copy(e2.project.patches_dir / original, e2.project.patches_dir / "0001-again.patch")
+        data["patches"].append({**data["patches"][0], "file": "0001-again.patch"})
 
     edit_series(e2, duplicate)
     _, out, _ = e2("verify", expect=1)

@@ -50,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
     verbs = parser.add_subparsers(dest="image_command", metavar="ACTION", required=True)
     render = verbs.add_parser("render", help="write the top-level Dockerfile")
-    render.set_defaults(options=ImageRenderOptions)
+    render.set_defaults(options=ImageRenderOptions, needs_git=False)
     build = verbs.add_parser("build", help="build the E2 engine image")
     build.add_argument("--base", metavar="REF",
                        help="base image (default: image.base@image.digest from series.yaml)")
