@@ -199,7 +199,7 @@ class StateOracle:
             known = self.known_entries.setdefault(id(pool), set())
             # An entry is a key and one block it maps to: a key cached again on
             # another block, or a second block under a key, is a new entry.
-            now = set()
+            now: set[tuple[Any, int]] = set()
             for key, value in entries.items():
                 if get_group_id(key) not in groups:
                     continue
