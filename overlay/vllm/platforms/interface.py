@@ -1000,11 +1000,9 @@ class Platform:
         if cache_config.mamba_cache_mode == "align":
             cache_config.mamba_block_size = cache_config.block_size
             # vLLM E2: prefix-cache hits at a finer state block (state_pool.py).
-            from vllm.v1.core.state_pool import align_state_block_size
+            from vllm.v1.core.state_pool import set_align_state_block
 
-            cache_config.mamba_block_size = align_state_block_size(
-                vllm_config, cache_config.block_size
-            )
+            set_align_state_block(vllm_config)
 
         # Pad mamba page size to exactly match attention page size
         attn_page_size = cache_config.block_size * attn_page_size_1_token

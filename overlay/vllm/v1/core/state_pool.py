@@ -158,6 +158,23 @@ def align_state_block_size(vllm_config: VllmConfig, attention_block: int) -> int
     return block if natural <= block < attention_block else attention_block
 
 
+def set_align_state_block(vllm_config: VllmConfig) -> None:
+    """Mamba `align` mode's state block (align_state_block_size) on the cache
+    config, for the worker. Where it is finer than the attention block, the
+    prefix-cache keys are taken every natural attention block, and that is
+    said (prefix_match_unit) rather than left to the groups' GCD: the worker's
+    prefill checkpoints (MambaPrefillCheckpointBuilder) read the unit from the
+    config, the scheduler from the planned groups, and both must agree."""
+    cache_config = vllm_config.cache_config
+    attention_block = cache_config.block_size
+    cache_config.mamba_block_size = align_state_block_size(vllm_config, attention_block)
+    if (
+        cache_config.mamba_block_size != attention_block
+        and cache_config.prefix_match_unit is None
+    ):
+        cache_config.prefix_match_unit = cache_config.e2_attention_block_size
+
+
 def cut_attention_slabs(
     vllm_config: VllmConfig,
     kv_cache_configs: list[KVCacheConfig],
@@ -1274,7 +1291,8 @@ class PagePool(BlockPool):
         self.clock += 1
         blocks = list(ordered_blocks)
         for block in blocks:
-            self.freed_at[block.block_id] = self.clock
+            if block.pool is None or block.pool is self:  # the others route to theirs
+                self.freed_at[block.block_id] = self.clock
         super().free_blocks(blocks)
 
     def page_to_evict(self, idle_since: int) -> bool:

@@ -170,14 +170,14 @@ class KVBlockZeroer:
                     continue
                 dp = kv.data_ptr()
 
-                # vLLM E2: an attention slab's blocks are kernel blocks, k per
-                # pool page and a tail past the last (state_pool.py).
-                slab = spec.block_size == kernel_bs
+                # vLLM E2: an attention slab (cut at the natural block) counts
+                # k blocks a pool page and a tail past the last (state_pool.py).
+                slab = spec.e2_natural_block_size == spec.block_size
                 assert slab or kv.shape[0] % num_blocks == 0, (
                     f"{layer_name}: {kv.shape[0]} kernel blocks is not a "
                     f"multiple of {num_blocks} logical blocks"
                 )
-                ratio = 1 if slab else kv.shape[0] // num_blocks
+                ratio = spec.block_size // kernel_bs if slab else kv.shape[0] // num_blocks
 
                 el = kv.element_size()
                 block_stride_bytes = kv.stride(0) * el
