@@ -22,15 +22,20 @@ from e2.gitops import (
     DIFF_FLAGS,
     Hunk,
     clone_worktree,
+    commit_diff,
     commit_summary,
     git_am,
     open_worktree,
     parse_hunks,
+    patch_id,
+    refs_not_from,
     remove_tree,
     require_clean,
     stable_git,
     touched_files,
+    unseen_reflog_commits,
     worktree_base,
+    write_record,
 )
 from e2.series import Patch, Project, Series
 from e2.upstream import UpstreamCache
@@ -151,7 +156,7 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
             raise E2Error(f"{dest} already exists",
                           hint="export what you changed there (e2 export --from DIR), then "
                                "pass --force to replace it, or choose another --out")
-        _check_replaceable(project, dest)
+        _check_replaceable(project, dest, upstream.cache.repo_dir)
     staging = _staging(dest)
     if staging.exists():
         remove_tree(staging)  # left by an apply that was killed
@@ -161,16 +166,19 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
             repo = clone_worktree(upstream.cache.repo_dir, staging, series.upstream.tag,
                                   _touched_paths(project, patches) if sparse else None)
         checkpoint("apply-cloned")
-        merged = _apply_patches(repo, project, patches, series)
+        failed: E2Error | None = None
+        try:
+            merged = _apply_patches(repo, project, patches, series)
+        except E2Error as exc:  # the worktree stays at the last patch that applied, to fix it
+            failed = exc
+        write_record(repo, (project.patch_path(p).read_bytes() for p in patches))
         checkpoint("apply-applied")
-    except E2Error:
-        # a patch did not apply: the worktree stays at the last one that did, to fix it there
-        _move_into_place(staging, dest)
-        raise
     except BaseException:  # interrupted: leave the destination as it was
         shutil.rmtree(staging, ignore_errors=True)
         raise
     _move_into_place(staging, dest)
+    if failed is not None:
+        raise failed
     repo = git.Repo(dest)
     commits = repo.git.rev_list("--reverse", f"{base_commit}..HEAD").split()
     results = [PatchResult(patch, "merged" if patch.id in merged else "clean", commit)
@@ -233,8 +241,11 @@ def _touched_paths(project: Project, patches: list[Patch]) -> list[str]:
     return list(paths)
 
 
-def _check_replaceable(project: Project, dest: Path) -> None:
-    """--force replaces a worktree only when nothing in it would be lost."""
+def _check_replaceable(project: Project, dest: Path, upstream: Path) -> None:
+    """--force replaces a worktree only when nothing in it would be lost: no change,
+    untracked or ignored file, stopped git operation, ref of its own (branch, tag,
+    stash, note), nor commit outside patches/ on HEAD or in a reflog entry made since
+    e2 last applied or exported it."""
     repo = open_worktree(dest)
     require_clean(repo, "--force would delete them")
     # byte-compiled files come back by themselves; anything else ignored is the user's
@@ -247,6 +258,15 @@ def _check_replaceable(project: Project, dest: Path) -> None:
                       + ", ".join(ignored[:5]) + (" ..." if len(ignored) > 5 else ""),
                       hint="move them out of the worktree (or delete them), then run "
                            "e2 apply --force again")
+    refs = refs_not_from(repo, upstream)
+    if refs:
+        raise E2Error(f"{dest} has refs of its own that --force would delete: "
+                      + ", ".join(_describe_ref(repo, ref) for ref in refs[:5])
+                      + (" ..." if len(refs) > 5 else ""),
+                      hint="export what you want to keep (e2 export --from DIR), move the "
+                           "rest elsewhere (git -C DIR push <repo> <ref>) and delete them "
+                           "there (git branch -D, git tag -d, git stash clear), then run "
+                           "e2 apply --force again")
     base = worktree_base(repo)
     exported = read_tree(project.patches_dir, "*.patch")
     for commit, text in format_patches(repo, f"refs/tags/{base}"):
@@ -254,6 +274,25 @@ def _check_replaceable(project: Project, dest: Path) -> None:
             raise E2Error(f"{dest} has commit {commit.hexsha[:12]} ({commit_summary(commit)}) "
                           "that is not in patches/; --force would lose it",
                           hint=f"export it first: e2 export --from {dest}")
+    known = {patch_id(repo, text) for text in exported.values()}
+    for sha in unseen_reflog_commits(repo, base):
+        if patch_id(repo, commit_diff(repo, sha)) not in known:
+            raise E2Error(f"{dest} has commit {sha[:12]} ({commit_summary(repo.commit(sha))}) "
+                          "only in its reflog (reset, amended or rebased away since e2 last "
+                          "applied or exported it), not in patches/; --force would lose it",
+                          hint=f"keep it on a branch elsewhere, or, if it is not wanted, run "
+                               f"e2 export --from {dest} (it records what the worktree holds "
+                               "as seen), then e2 apply --force")
+
+
+def _describe_ref(repo: git.Repo, ref: str) -> str:
+    if ref == "refs/stash":
+        count = len(repo.git.stash("list").splitlines())
+        return f"the stash ({count} entr{'y' if count == 1 else 'ies'})"
+    for prefix, kind in (("refs/heads/", "branch"), ("refs/tags/", "tag")):
+        if ref.startswith(prefix):
+            return f"{kind} {ref.removeprefix(prefix)}"
+    return ref
 
 
 def _apply_patches(repo: git.Repo, project: Project, patches: list[Patch],

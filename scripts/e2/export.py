@@ -26,6 +26,7 @@ from e2.gitops import (
     require_clean,
     stable_git,
     worktree_base,
+    write_record,
 )
 from e2.series import Patch, Project, Series, slugify
 from e2.series_yaml import render_series
@@ -137,4 +138,5 @@ def export_series(project: Project, series: Series, source: Path) -> ExportResul
         except BaseException:
             replace_dir(project.patches_dir, old_patches)
             raise
+    write_record(repo, contents.values())  # what was there is now in patches/ or dropped
     return ExportResult(entries, new, dropped, changed)

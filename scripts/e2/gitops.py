@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,15 +144,130 @@ def am_in_progress(repo: git.Repo) -> bool:
     return Path(repo.git_dir, "rebase-apply").exists()
 
 
+# What git leaves in a repository's git dir while an operation is stopped (a
+# conflict, an `edit` step, a bisection): the command that owns it, first match wins.
+_STOPPED = (("rebase-apply/applying", "am"), ("rebase-apply", "rebase"),
+            ("rebase-merge", "rebase"), ("CHERRY_PICK_HEAD", "cherry-pick"),
+            ("REVERT_HEAD", "revert"), ("MERGE_HEAD", "merge"), ("sequencer", "cherry-pick"),
+            ("BISECT_LOG", "bisect"))
+
+
+def operation_in_progress(repo: git.Repo) -> str | None:
+    """The git command stopped half-way in ``repo`` (am, rebase, cherry-pick, revert,
+    merge, bisect), or None."""
+    for name, command in _STOPPED:
+        if Path(repo.git_dir, name).exists():
+            return command
+    return None
+
+
 def require_clean(repo: git.Repo, why: str) -> None:
-    if am_in_progress(repo):
-        raise E2Error(f"{repo.working_tree_dir}: a git am is in progress",
-                      hint="finish it (git am --continue) or drop it (git am --abort) first")
+    command = operation_in_progress(repo)
+    if command is not None:
+        where = repo.working_tree_dir
+        finish = ("end it: git -C {0} bisect reset" if command == "bisect" else
+                  "finish it (git -C {0} {1} --continue) or drop it (git -C {0} {1} --abort)")
+        raise E2Error(f"{where}: a git {command} is in progress (stopped half-way; "
+                      "its commits are not all there yet)",
+                      hint=finish.format(where, command) + ", then run this command again")
     if repo.is_dirty(untracked_files=True):
         changed = repo.git.status("--porcelain").splitlines()[:10]
         raise E2Error(f"{repo.working_tree_dir} has uncommitted changes ({why}):\n  "
                       + "\n  ".join(changed),
                       hint="commit them (one commit per patch) or stash them")
+
+
+# What e2 last saw in a worktree, in its git dir: the tip of every reflog entry
+# then (commits reset or amended away before it were exported or applied) and the
+# sha256 of every patch file it applied or exported there.
+RECORD = "e2-record.json"
+
+
+def read_record(repo: git.Repo) -> dict[str, list[str]]:
+    try:
+        data = json.loads(Path(repo.git_dir, RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"reflog": [], "patch_files": []}  # made before the record: nothing seen
+    return {key: [str(item) for item in data.get(key, [])] for key in ("reflog", "patch_files")}
+
+
+def write_record(repo: git.Repo, patch_files: Iterable[bytes]) -> None:
+    """Mark the worktree's reflogs as seen, and ``patch_files`` (with those seen before)."""
+    hashes = set(read_record(repo)["patch_files"])
+    hashes.update(hashlib.sha256(data).hexdigest() for data in patch_files)
+    record = {"reflog": sorted(reflog_tips(repo)), "patch_files": sorted(hashes)}
+    path = Path(repo.git_dir, RECORD)
+    tmp = path.with_name(RECORD + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def reflog_tips(repo: git.Repo) -> set[str]:
+    """Every commit a reflog entry of ``repo`` moved a ref or HEAD to."""
+    tips: set[str] = set()
+    logs = Path(repo.git_dir, "logs")
+    for log in (p for p in logs.rglob("*") if p.is_file()):
+        for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+            fields = line.split(" ", 2)
+            if len(fields) > 1 and fields[1].strip("0"):
+                tips.add(fields[1])
+    return tips
+
+
+def unseen_reflog_commits(repo: git.Repo, base: str) -> list[str]:
+    """Commits only reflogs reach (reset, amended or rebased away) whose entries came
+    after e2 last applied or exported the worktree, oldest first."""
+    seen = set(read_record(repo)["reflog"])
+    new = sorted(reflog_tips(repo) - seen)
+    if not new:
+        return []
+    kept = ["HEAD", f"refs/tags/{base}", *(t for t in seen if _exists(repo, t))]
+    if _exists(repo, f"refs/heads/{BRANCH}"):
+        kept.append(f"refs/heads/{BRANCH}")
+    tips = [t for t in new if _exists(repo, t)]  # a pruned entry's commit may be gone
+    return repo.git.rev_list("--reverse", *tips, "--not", *kept).split() if tips else []
+
+
+def patch_id(repo: git.Repo, patch: bytes) -> str | None:
+    """git's id for the change a patch makes (not its message, nor its line numbers)."""
+    result = subprocess.run(["git", "patch-id", "--stable"], input=patch, cwd=repo.git_dir,
+                            capture_output=True, check=True)
+    return result.stdout.split()[0].decode() if result.stdout.strip() else None
+
+
+def commit_diff(repo: git.Repo, commit: str) -> bytes:
+    """The change ``commit`` makes, as a diff (enough for ``patch_id``)."""
+    return subprocess.run(["git", "show", "--format=", *DIFF_FLAGS, commit],
+                          cwd=repo.git_dir, capture_output=True, check=True).stdout
+
+
+def _exists(repo: git.Repo, rev: str) -> bool:
+    try:
+        repo.git.rev_parse("-q", "--verify", f"{rev}^{{commit}}")
+    except git.GitCommandError:
+        return False
+    return True
+
+
+def refs_not_from(repo: git.Repo, upstream: Path) -> list[str]:
+    """``repo``'s refs that are not the clone's own copy of ``upstream``'s (its tags,
+    its branches as origin's) nor the checked-out e2 branch: branches, tags, stashes,
+    notes someone made in the worktree."""
+    def listing(where: git.Git) -> dict[str, str]:
+        rows = where.for_each_ref("--format=%(refname) %(objectname)").splitlines()
+        return dict(row.split(" ", 1) for row in rows)
+
+    theirs = listing(git.Git(str(upstream)))
+    head = repo.git.rev_parse("HEAD")
+    mine = []
+    for name, sha in listing(repo.git).items():
+        origin = name.replace("refs/remotes/origin/", "refs/heads/", 1)
+        if theirs.get(origin) == sha or name == "refs/remotes/origin/HEAD":
+            continue
+        if name == f"refs/heads/{BRANCH}" and sha == head:
+            continue
+        mine.append(name)
+    return mine
 
 
 def remove_tree(path: Path) -> None:
