@@ -16,7 +16,7 @@ from e2 import console
 from e2.errors import E2Error
 from e2.export import format_patches
 from e2.faults import checkpoint
-from e2.fsio import read_tree
+from e2.fsio import read_tree, recover_dir, remove_aside, staging_paths
 from e2.gitops import (
     AM_FELL_BACK,
     DIFF_FLAGS,
@@ -29,7 +29,6 @@ from e2.gitops import (
     parse_hunks,
     patch_id,
     refs_not_from,
-    remove_tree,
     require_clean,
     stable_git,
     touched_files,
@@ -131,10 +130,6 @@ def _missing_mail_header(text: str) -> list[str]:
     return missing
 
 
-def _staging(dest: Path) -> Path:
-    return dest.with_name(f".{dest.name}.new")
-
-
 def apply_series(project: Project, series: Series, dest: Path, upstream: UpstreamOptions,
                  through: str | None = None, exact: bool = False,
                  replace: bool = False, sparse: bool = False) -> AppliedTree:
@@ -148,6 +143,7 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
     for patch in patches:
         check_patch_file(project, patch)
     base_commit = upstream.ensure(series)
+    recover_dir(dest)  # an apply --force stopped between its two renames: the old one back
     if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
         raise E2Error(f"{dest} exists and is not a directory",
                       hint="choose another --out, or move that file away")
@@ -157,9 +153,7 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
                           hint="export what you changed there (e2 export --from DIR), then "
                                "pass --force to replace it, or choose another --out")
         _check_replaceable(project, dest, upstream.cache.repo_dir)
-    staging = _staging(dest)
-    if staging.exists():
-        remove_tree(staging)  # left by an apply that was killed
+    staging, _ = staging_paths(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         with console.status(f"checking out {series.upstream.tag} into {dest}"):
@@ -227,10 +221,19 @@ class ScratchTree:
 
 
 def _move_into_place(staging: Path, dest: Path) -> None:
+    """Swap the new worktree in with two renames; the old one (checked by
+    _check_replaceable: nothing in it is lost) is removed only once it is out of the
+    way, so no interruption leaves a half-deleted worktree where a verb looks."""
+    _, old = staging_paths(dest)
     if dest.exists():
-        remove_tree(dest)  # checked by _check_replaceable: nothing in it is lost
+        dest.rename(old)
     checkpoint("apply-swapping")
     staging.rename(dest)
+    checkpoint("apply-swapped")
+    problem = remove_aside(old)
+    if problem is not None:
+        console.warn(f"the old worktree, set aside at {old}, could not be removed "
+                     f"({problem}); the new one is in place. Remove it by hand")
 
 
 def _touched_paths(project: Project, patches: list[Patch]) -> list[str]:

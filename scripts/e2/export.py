@@ -18,7 +18,7 @@ import git
 
 from e2.errors import E2Error
 from e2.faults import checkpoint
-from e2.fsio import read_tree, replace_dir, write_atomic
+from e2.fsio import read_tree, recover_dir, replace_dir, write_atomic
 from e2.gitops import (
     FORMAT_PATCH_FLAGS,
     commit_summary,
@@ -86,6 +86,7 @@ def match_metadata(series: Series, titles: list[str]) -> list[Patch | None]:
 
 
 def export_series(project: Project, series: Series, source: Path) -> ExportResult:
+    recover_dir(source)  # an apply --force stopped between its two renames: the old one back
     repo = open_worktree(source)
     require_clean(repo, "export reads commits only")
     base = worktree_base(repo)

@@ -26,6 +26,11 @@ def write_atomic(path: Path, content: str | bytes) -> None:
         raise
 
 
+def staging_paths(target: Path) -> tuple[Path, Path]:
+    """Where a replacement of ``target`` is built, and where the old one is set aside."""
+    return _staging(target)
+
+
 def _staging(target: Path) -> tuple[Path, Path]:
     return target.with_name(f".{target.name}.new"), target.with_name(f".{target.name}.old")
 
@@ -40,7 +45,26 @@ def _remove(path: Path) -> None:
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.exists():
-        shutil.rmtree(path)
+        shutil.rmtree(path, onerror=_writable_and_retry)
+
+
+def _writable_and_retry(function: Callable[..., object], name: str, _: object) -> None:
+    """A read-only folder in a tree e2 removes (its own staging or a worktree set
+    aside) is made writable for its owner, then the removal tried again."""
+    parent = os.path.dirname(name)
+    os.chmod(parent, os.stat(parent).st_mode | 0o700)
+    if os.path.isdir(name) and not os.path.islink(name):
+        os.chmod(name, os.stat(name).st_mode | 0o700)
+    function(name)
+
+
+def remove_aside(path: Path) -> str | None:
+    """Remove a tree set aside by a replace; why it could not be, or None."""
+    try:
+        _remove(path)
+    except OSError as exc:
+        return f"{exc.filename or path}: {exc.strerror or exc}"
+    return None
 
 
 def recover_dir(target: Path) -> None:

@@ -47,28 +47,60 @@ def series_files(e2) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("at,signal", [("apply-cloned", "KILL"), ("apply-applied", "INT"),
-                                       ("apply-swapping", "KILL")])
+                                       ("apply-swapping", "KILL"), ("apply-swapping", "INT"),
+                                       ("apply-swapped", "KILL"), ("apply-swapped", "INT")])
 def test_apply_force_stopped_keeps_the_old_worktree_and_reruns(e2, at, signal):
     copy_real_patches(e2)
     # the worktree to replace: only the files the patches touch (a full checkout is slow)
     apply_series(e2.project, e2.project.load(), e2.work, UpstreamOptions(e2.upstream_cache),
                  sparse=True)
     head = git.Repo(e2.work).head.commit.hexsha
-    staging = e2.work.with_name(".work.new")
+    staging, aside = e2.work.with_name(".work.new"), e2.work.with_name(".work.old")
 
     faulted(e2, "apply", "--force", at=at, signal=signal)
-    if e2.work.exists():  # the old worktree, whole and clean
+    if e2.work.exists():  # the old worktree or the new one, whole and clean
         repo = git.Repo(e2.work)
         assert repo.head.commit.hexsha == head
         assert not repo.is_dirty(untracked_files=True)
-    else:  # killed between removing the old one and moving the new one in
+        assert at == "apply-swapped" or not aside.exists()
+    else:  # stopped between the two renames: the old one set aside whole, never deleted
         assert at == "apply-swapping" and staging.is_dir()
-    if signal == "INT":
+        assert git.Repo(aside).head.commit.hexsha == head
+    if signal == "INT" and at != "apply-swapping":
         assert not staging.exists()
 
-    e2("apply", "--force") if e2.work.exists() else e2("apply")
+    # the next export puts a set-aside worktree back and finds nothing to do
+    _, out, _ = e2("export")
+    assert "already match" in out
+    e2("apply", "--force")
     assert git.Repo(e2.work).head.commit.hexsha == head  # apply is deterministic
-    assert not staging.exists()
+    assert not staging.exists() and not aside.exists()
+
+
+def test_apply_force_replaces_a_worktree_it_cannot_delete_whole(e2):
+    """A folder of the old worktree that cannot be deleted (immutable here; read-only
+    for a user) no longer leaves it half-deleted: the new one is swapped in whole and
+    the old one, set aside, is named."""
+    copy_real_patches(e2)
+    apply_series(e2.project, e2.project.load(), e2.work, UpstreamOptions(e2.upstream_cache),
+                 sparse=True)
+    head = git.Repo(e2.work).head.commit.hexsha
+    stuck = e2.work / "vllm"
+    aside = e2.work.with_name(".work.old")
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        _, _, err = e2("apply", "--force")
+        assert f"the old worktree, set aside at {aside}, could not be removed" in err
+        assert "Traceback" not in err
+        repo = git.Repo(e2.work)
+        assert repo.head.commit.hexsha == head and not repo.is_dirty(untracked_files=True)
+        assert (e2.work / "vllm/envs.py").is_file()  # the full checkout, whole
+    finally:
+        subprocess.run(["chattr", "-i", str(aside / "vllm")], check=False)
+        subprocess.run(["chattr", "-i", str(stuck)], check=False)
+    e2("apply", "--force")  # the leftover goes now that it can
+    assert not aside.exists()
 
 
 # ---------------------------------------------------------------- overlay
