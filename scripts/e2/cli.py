@@ -1,7 +1,7 @@
 """The ``e2`` command: the global options, then one verb.
 
 Verbs (each in ``commands/<verb>.py``, which holds its parser and its run):
-apply, overlay, verify, export, status and rebase (the series and its
+apply, overlay, verify, export, status, rebase and drift (the series and its
 upstream), env (the CPU test venv), test seam|upstream (seam tests, upstream's
 suites stock vs E2), image render|build|pin|base (the engine image), probe
 capacity|serve (what the series changes, measured) and models scan|store (the
@@ -26,6 +26,7 @@ from e2.apply import UpstreamOptions
 from e2.cache import Cache
 from e2.commands import (
     apply,
+    drift,
     env,
     export,
     image,
@@ -44,7 +45,7 @@ from e2.series import Project
 from e2.upstream import UpstreamCache
 
 # In the order `e2 --help` lists them.
-VERBS = (apply, overlay, verify, export, status, rebase, env, test, image, probe, models)
+VERBS = (apply, overlay, verify, export, status, rebase, drift, env, test, image, probe, models)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,6 +68,15 @@ class RebaseOptions:
     reason: str | None
     validate: bool
     validate_suite: tuple[str, ...] | None
+    dry_run: bool
+    report: Path | None
+    accept_proposals: bool
+
+
+@dataclass(frozen=True)
+class DriftOptions:
+    report: Path | None
+    release: tuple[str, ...] | None
 
 
 @dataclass(frozen=True)

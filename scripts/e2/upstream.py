@@ -147,6 +147,16 @@ class SdistFile:
 
 
 def find_sdist(project: str, version: str, index: str | None = None) -> SdistFile:
+    wanted = f"{project}-{version}.tar.gz"
+    for entry in index_files(project, index):
+        if entry["filename"] == wanted:
+            return SdistFile(wanted, entry["url"], entry.get("hashes", {}).get("sha256"))
+    raise E2Error(f"the package index has no {wanted}",
+                  hint="check the version, or pass --upstream PATH")
+
+
+def index_files(project: str, index: str | None = None) -> list[dict]:
+    """The files the index lists for ``project`` (its simple API, JSON form)."""
     import requests  # only the paths that reach the index pay for importing it
 
     index = index or index_url()
@@ -158,12 +168,7 @@ def find_sdist(project: str, version: str, index: str | None = None) -> SdistFil
                       hint="pass --upstream PATH with a local sdist or tree") from None
     if response.status_code != 200:
         raise E2Error(f"package index answered {response.status_code} for {project}")
-    wanted = f"{project}-{version}.tar.gz"
-    for entry in response.json().get("files", []):
-        if entry["filename"] == wanted:
-            return SdistFile(wanted, entry["url"], entry.get("hashes", {}).get("sha256"))
-    raise E2Error(f"the package index has no {wanted}",
-                  hint="check the version, or pass --upstream PATH")
+    return list(response.json().get("files", []))
 
 
 def sha256_file(path: Path) -> str:

@@ -15,8 +15,8 @@ def e2(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run(["e2", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-VERBS = ("apply", "overlay", "verify", "export", "status", "rebase", "env", "test", "image",
-         "probe", "models")
+VERBS = ("apply", "overlay", "verify", "export", "status", "rebase", "drift", "env", "test",
+         "image", "probe", "models")
 
 
 def test_top_level_help_lists_every_verb():

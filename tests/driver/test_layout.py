@@ -118,7 +118,7 @@ def test_every_verb_has_its_commands_module():
     subparsers = next(action for action in cli.build_parser()._actions
                       if action.dest == "command")
     verbs = [choice.dest for choice in subparsers._choices_actions]
-    assert verbs == ["apply", "overlay", "verify", "export", "status", "rebase", "env",
+    assert verbs == ["apply", "overlay", "verify", "export", "status", "rebase", "drift", "env",
                      "test", "image", "probe", "models"]
     missing = [verb for verb in verbs if not (E2 / "commands" / f"{verb}.py").is_file()]
     assert missing == []
@@ -139,7 +139,7 @@ def test_every_options_field_is_an_argument_of_its_verb():
     a field with no argument, or an argument with no field, is a bug it would only
     meet at run time."""
     leaves = list(leaf_parsers(cli.build_parser()))
-    assert len(leaves) == 18  # 7 verbs without a sub-verb; test 3, image 4, probe 2, models 2
+    assert len(leaves) == 19  # 8 verbs without a sub-verb; test 3, image 4, probe 2, models 2
     for name, parser in leaves:
         options = parser.get_default("options")
         assert dataclasses.is_dataclass(options), f"{name}: no options dataclass"

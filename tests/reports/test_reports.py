@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from e2 import junit, rebase_report, validate
+from e2 import junit, validate
 from e2.classify import Verdict
 from e2.probes import capacity_matrix, capacity_report
+from e2.rebase import report as rebase_report
 
 DATA = Path(__file__).resolve().parent / "data"
 

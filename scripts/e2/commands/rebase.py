@@ -11,21 +11,25 @@ from e2 import console
 from e2.errors import E2Error
 from e2.options import GlobalOptions, RebaseOptions
 from e2.rebase import resolve_target
-from e2.rebase_report import write as write_report
-from e2.rebase_result import finish
-from e2.rebase_resume import continue_rebase, skip
-from e2.rebase_state import VERDICTS, Rebase, RebaseState
-from e2.rebase_steps import apply_remaining, start
+from e2.rebase.dryrun import dry_run, hot_spots
+from e2.rebase.report import collect, stem, summary_line, write
+from e2.rebase.result import finish
+from e2.rebase.resume import continue_rebase, skip
+from e2.rebase.state import VERDICTS, Phase, RebaseState
+from e2.rebase.steps import apply_remaining, start
+from e2.rebase.workspace import Rebase
+from e2.series import Series
 from e2.verify import Check, verify
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "rebase", help="move the series onto a new upstream release, with a conflict report",
-        description="Forward-port every patch onto another upstream release (git am --3way, "
-                    "rerere on). Stops at a conflict or at a patch upstream already has; "
-                    "resume with --continue, --skip or --abort. Writes "
-                    "docs/rebases/<from>-to-<to>.md and .json at the end.")
+        description="Forward-port every patch onto another upstream release (git am --3way; "
+                    "recorded whole resolutions replayed). Stops at a conflict or at a patch "
+                    "upstream already has, writing a report to .e2/rebase-reports; resume "
+                    "with --continue, --skip or --abort. Writes docs/rebases/<from>-to-<to>.md "
+                    "and .json at the end.")
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--onto", metavar="VERSION", help="release to move to (0.32.0 or v0.32.0)")
     action.add_argument("--continue", dest="resume", action="store_true",
@@ -33,6 +37,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     action.add_argument("--skip", action="store_true", help="drop the patch the rebase stopped at")
     action.add_argument("--abort", action="store_true",
                         help="put series.yaml, patches/, overlay/ and Dockerfile back as before")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="with --onto: go as far as the series goes alone, write the "
+                             "report, change nothing else")
+    parser.add_argument("--report", type=Path, metavar="DIR",
+                        help="with --dry-run: the folder for the report (default "
+                             ".e2/rebase-reports)")
+    parser.add_argument("--accept-proposals", action="store_true",
+                        help="with --continue: take the report's proposed resolutions "
+                             "(marked for review)")
     parser.add_argument("--drop-obsolete", action="store_true",
                         help="drop patches that upstream already has without stopping")
     parser.add_argument("--verdict", choices=VERDICTS,
@@ -48,19 +61,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(options: GlobalOptions, request: RebaseOptions) -> int:
     rebase = Rebase(options.project, options.upstream)
+    _check_request(request)
+    if request.dry_run:
+        assert request.onto is not None
+        series = options.project.load()
+        target = resolve_target(request.onto, series.upstream, options.upstream)
+        done = dry_run(options.project, series, target, options.upstream,
+                       request.report or rebase.reports)
+        console.out.print(f"{target.tag}: {done.summary}\nreport {done.report}", markup=False)
+        return 0
     with options.project.changing():
         return _run_locked(options, request, rebase)
 
 
-def _run_locked(options: GlobalOptions, request: RebaseOptions, rebase: Rebase) -> int:
+def _check_request(request: RebaseOptions) -> None:
     if request.validate_suite and not request.validate:
         raise E2Error("--validate-suite needs --validate")
+    if request.dry_run and request.onto is None:
+        raise E2Error("--dry-run needs --onto VERSION")
+    if request.report is not None and not request.dry_run:
+        raise E2Error("--report needs --dry-run (a real rebase reports to .e2/rebase-reports "
+                      "and docs/rebases)")
+    if request.accept_proposals and not request.resume:
+        raise E2Error("--accept-proposals goes with --continue")
+
+
+def _run_locked(options: GlobalOptions, request: RebaseOptions, rebase: Rebase) -> int:
     if request.abort:
         if not rebase.in_progress():
             rebase.load()  # raises "no rebase in progress"
         rebase.abort()
         console.out.print("rebase aborted: series.yaml, patches/, overlay/ and Dockerfile "
-                          "are as before", markup=False)
+                          f"are as before (the last stop's report stays in {rebase.reports})",
+                          markup=False)
         return 0
     if request.onto is not None:
         series = options.project.load()
@@ -72,9 +105,10 @@ def _run_locked(options: GlobalOptions, request: RebaseOptions, rebase: Rebase) 
         if request.skip:
             skip(rebase, state, request.reason)
         else:
-            continue_rebase(rebase, state, request.verdict, request.reason)
-    if state.phase != "finishing" and not apply_remaining(rebase, state, series):
-        _print_stop(rebase, state)
+            continue_rebase(rebase, state, request.verdict, request.reason,
+                            request.accept_proposals)
+    if state.phase != Phase.FINISHING and not apply_remaining(rebase, state, series):
+        _print_stop(rebase, state, _stop_report(rebase, state, series))
         return 1
     new_series = finish(rebase, state, series)
     checks = verify(options.project, new_series, options.upstream)
@@ -85,10 +119,26 @@ def _run_locked(options: GlobalOptions, request: RebaseOptions, rebase: Rebase) 
             hint="fix it in .e2/rebase/work and run e2 rebase --continue, or e2 rebase --abort")
     if request.validate:
         checks += validation_checks(options, request)
-    report = write_report(rebase, state, series, new_series, checks)
+    repo = rebase.repo()
+    report = collect(repo, state, series, new_series,
+                     (rebase.backup / "patches", options.project.patches_dir), checks,
+                     hot_spots(repo, state))
+    markdown = write(options.project.root / "docs" / "rebases", report, stem(report))
     rebase.done()
-    _print_summary(state, report)
+    _print_summary(state, markdown)
     return 0
+
+
+def _stop_report(rebase: Rebase, state: RebaseState, series: Series) -> Path:
+    """The report of this stop, in .e2/rebase-reports (kept on --abort)."""
+    repo = rebase.repo()
+    spots = hot_spots(repo, state)
+    report = collect(repo, state, series, series,
+                     (rebase.backup / "patches", rebase.backup / "patches"), spots=spots)
+    current = state.current()
+    report["state"] = f"stopped at {current.id} ({state.phase.value})" if current else "stopped"
+    report["summary_line"] = summary_line(state, spots, finished=False)
+    return write(rebase.reports, report, stem(report), stop=True)
 
 
 def validation_checks(options: GlobalOptions, request: RebaseOptions) -> list[Check]:
@@ -115,23 +165,31 @@ def global_arguments(options: GlobalOptions) -> list[str]:
     return arguments
 
 
-def _print_stop(rebase: Rebase, state: RebaseState) -> None:
+def _print_stop(rebase: Rebase, state: RebaseState, report: Path) -> None:
     current = state.current()
     assert current is not None
-    if state.phase == "obsolete":
+    if state.phase == Phase.OBSOLETE:
         console.out.print(f"{current.id} {current.title}: already in {state.target['tag']} "
                           "(applies in reverse)", markup=False)
         console.out.print("  drop it: e2 rebase --skip   keep it: e2 rebase --continue   "
-                          "give up: e2 rebase --abort", markup=False)
+                          f"give up: e2 rebase --abort\n  report {report}", markup=False)
         return
     console.out.print(f"conflict in {current.id} {current.title} "
                       f"(worktree {rebase.work}):", markup=False)
+    for note in current.notes:
+        console.out.print(f"  {note}", markup=False)
     for conflict in current.conflicts:
+        if conflict.deleted_upstream:
+            successor = f"; see {conflict.replaced_by}" if conflict.replaced_by else ""
+            console.out.print(f"  {conflict.file}: deleted upstream{successor}", markup=False)
+            continue
         console.out.print(f"  {conflict.file}: {len(conflict.hunks)} hunk(s) at line(s) "
-                          + ", ".join(str(h["line"]) for h in conflict.hunks), markup=False)
-    console.out.print(f"  resolve the files in {rebase.work}, git add them, then\n"
-                      "  e2 rebase --continue [--verdict V --reason R]   (or --skip, --abort)",
-                      markup=False)
+                          + ", ".join(f"{h.line} ({h.kind})" for h in conflict.hunks),
+                          markup=False)
+    console.out.print(f"  report {report}\n"
+                      f"  resolve the files in {rebase.work}, git add them, then\n"
+                      "  e2 rebase --continue [--verdict V --reason R] [--accept-proposals]"
+                      "   (or --skip, --abort)", markup=False)
 
 
 def _print_summary(state: RebaseState, report: Path) -> None:

@@ -1,77 +1,26 @@
-"""The on-disk side of one rebase: ``.e2/rebase/state.json`` and its model, the
-paths under ``.e2/rebase``, and the backup of the files a rebase rewrites.
+"""Where one rebase lives on disk (``.e2/rebase``), the guards around it, and
+the backup of the files a rebase rewrites, which ``--abort`` puts back.
 
-The state is written atomically after every step, so a rebase killed at any
-point resumes from it; the backup is what ``--abort`` puts back.
+Kept outside ``.e2/rebase`` so that they outlive an abort: the recorded
+resolutions (``.e2/rr-cache``) and the report of the last stop
+(``.e2/rebase-reports``).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import git
-from pydantic import TypeAdapter, ValidationError
 
 from e2.apply import UpstreamOptions
 from e2.errors import E2Error
 from e2.fsio import read_tree, replace_dir, write_atomic
+from e2.rebase.state import RebaseState
 from e2.series import Project, Series, load_series
 
-VERDICTS = ("still-needed", "obsolete", "re-expressed", "dropped")
-APPLIED = ("clean", "offset", "merged", "resolved")
-DROPPED = ("obsolete", "dropped")
 GUARDED = ("series.yaml", "patches", "overlay", "Dockerfile")
-
-
-@dataclass
-class Conflict:
-    file: str
-    hunks: list[dict]                    # {"line", "ours", "base", "theirs"}
-    verdicts: list[dict] = field(default_factory=list)   # {"verdict", "reason"} per hunk
-
-
-@dataclass
-class PatchState:
-    id: str
-    title: str
-    file: str
-    status: str = "pending"   # pending applying clean offset merged resolved obsolete dropped conflict
-    notes: list[str] = field(default_factory=list)
-    reason: str | None = None
-    old_commit: str | None = None
-    new_commit: str | None = None
-    conflicts: list[Conflict] = field(default_factory=list)
-    replayed: bool = False    # resolved by a recorded resolution (rerere)
-
-
-@dataclass
-class RebaseState:
-    source: dict              # the pin rebased from (Upstream as json)
-    target: dict              # the pin rebased onto
-    patches: list[PatchState]
-    phase: str = "applying"   # applying | conflict | obsolete | finishing
-    drop_obsolete: bool = False
-
-    def current(self) -> PatchState | None:
-        return next((p for p in self.patches if p.status not in APPLIED + DROPPED), None)
-
-    @classmethod
-    def load(cls, path: Path) -> RebaseState:
-        """The state file, checked against the dataclasses above as its schema."""
-        hint = ("the rebase state is damaged: e2 rebase --abort puts everything back, "
-                "then start again")
-        try:
-            return TypeAdapter(cls).validate_json(path.read_bytes())
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(part) for part in first["loc"]) or "(top level)"
-            raise E2Error(f"{path}: {where}: {first['msg']}", hint=hint) from None
-
-    def save(self, path: Path) -> None:
-        write_atomic(path, json.dumps(asdict(self), indent=2) + "\n")
 
 
 class Rebase:
@@ -86,7 +35,17 @@ class Rebase:
         self.backup_index = self.backup / "SAVED.json"
         self.work = self.dir / "work"
         self.rr_cache = project.state_dir / "rr-cache"
-        self.verdict_memory = self.rr_cache / "e2-verdicts.json"
+        self.resolutions = self.rr_cache / "e2-resolutions"
+        self.reports = project.state_dir / "rebase-reports"
+
+    @classmethod
+    def scratch(cls, project: Project, upstream: UpstreamOptions, folder: Path) -> Rebase:
+        """A rebase in ``folder`` (a dry run): its state and worktree there, the
+        checkout's recorded resolutions only read."""
+        rebase = cls(project, upstream)
+        rebase.dir, rebase.state_file = folder, folder / "state.json"
+        rebase.work = folder / "work"
+        return rebase
 
     # -- guards
 

@@ -1,34 +1,11 @@
-"""e2 rebase: move the series onto a new upstream release, resumably.
-
-Like git's own rebase, the work happens in steps that leave their state on
-disk (``.e2/rebase/state.json``, written atomically after every step) and a
-worktree (``.e2/rebase/work``) where conflicts are resolved by hand:
-
-    e2 rebase --onto 0.32.0       # stops at a conflict or an obsolete patch
-    e2 rebase --continue          # after resolving and staging (git add)
-    e2 rebase --skip --reason R   # drop the current patch
-    e2 rebase --abort             # series.yaml, patches/, overlay/, Dockerfile as before
-
-series.yaml, patches/, overlay/ and the Dockerfile are only written at the
-end, and the originals are kept in ``.e2/rebase/backup`` until the rebase is
-done, so a process killed at any point loses nothing. Recorded resolutions
-live in ``.e2/rr-cache`` (git rerere), outside the rebase, so they replay on
-the next attempt.
-
-This module holds the rebase's target pin and the line e2 status shows for a
-rebase in progress; the verb (commands/rebase.py) drives the parts:
-``rebase_state`` (state.json, paths, backup), ``rebase_steps`` (the step loop),
-``rebase_conflicts`` (hunks and verdicts), ``rebase_resume`` (--continue,
---skip), ``rebase_result`` (the files written at the end) and
-``rebase_report`` (the report).
-"""
+"""The rebase's target pin, and the line e2 status shows for a rebase in progress."""
 
 from __future__ import annotations
 
 from e2 import console
 from e2.apply import UpstreamOptions
 from e2.errors import E2Error
-from e2.rebase_state import Rebase
+from e2.rebase.workspace import Rebase
 from e2.series import RELEASE_VERSION, Project, Upstream
 from e2.upstream import find_sdist, local_version, sha256_file
 
@@ -78,7 +55,7 @@ def rebase_in_progress(project: Project) -> str | None:
     except E2Error as exc:
         return f"a rebase is in progress, its state is damaged: {exc.message}"
     current = state.current()
-    where = (f"stopped at {current.id} {current.title} ({current.status})" if current
+    where = (f"stopped at {current.id} {current.title} ({current.status.value})" if current
              else "writing its result")
     return (f"a rebase from {state.source['tag']} onto {state.target['tag']} is in "
             f"progress, {where} (e2 rebase --continue, --skip or --abort)")

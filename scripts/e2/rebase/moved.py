@@ -1,0 +1,166 @@
+"""Where upstream took the code a patch changes: a hunk whose upstream side is
+empty (the code left the file), and a file upstream deleted.
+
+Code is followed by name: the function or class around the patch's change,
+looked up in the new release. There the change is trial-applied as a 3-way
+merge of that one definition (``git merge-file``: upstream's moved copy, the
+old base, the patched old copy), so a clean result is a proposal with its diff.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+
+from e2.rebase.state import Hunk, PatchState, Proposal
+
+_DEFINITION = re.compile(r"^(\s*)(?:async\s+)?(?:def|class)\s+(\w+)")
+
+
+@dataclass
+class Found:
+    why: str
+    proposal: Proposal | None
+
+
+def show(repo: git.Repo, rev: str, path: str) -> str | None:
+    """The file at ``rev``, or None; read through git's persistent cat-file process
+    (hot spots read a few hundred)."""
+    try:
+        blob = repo.commit(rev).tree / path
+    except (KeyError, ValueError, git.BadName):
+        return None
+    if not isinstance(blob, git.Blob):
+        return None
+    return blob.data_stream.read().decode("utf-8", errors="replace")
+
+
+def enclosing_names(lines: list[str], index: int) -> list[str]:
+    """The definitions around line ``index`` of a fragment, innermost first."""
+    names, indent = [], None
+    for line in reversed(lines[:index + 1]):
+        match = _DEFINITION.match(line)
+        if match and (indent is None or len(match.group(1)) < indent):
+            names.append(match.group(2))
+            indent = len(match.group(1))
+            if indent == 0:
+                break
+    return names
+
+
+def definition_span(text: str, name: str) -> tuple[int, int] | None:
+    """(first, last) line, 1-based and decorators included, of the definition ``name``."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) \
+                and node.name == name:
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            return first, node.end_lineno or node.lineno
+    return None
+
+
+def defined_in(repo: git.Repo, name: str, exclude: str) -> list[str]:
+    """Files of HEAD that define ``name`` (def or class), other than ``exclude``."""
+    try:
+        out = repo.git.grep("-l", "-E", rf"^\s*(async\s+)?(def|class)\s+{name}\b", "HEAD",
+                            "--", "*.py")
+    except git.GitCommandError:  # no match
+        return []
+    files = [line.split(":", 1)[1] for line in out.splitlines()]
+    # the likeliest home first: outside tests/, then nearest to where it was
+    return sorted((f for f in files if f != exclude),
+                  key=lambda f: (f.startswith("tests/"), -_common_prefix(f, exclude), f))
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return len([1 for x, y in zip(a.split("/"), b.split("/")) if x == y])
+
+
+def find_moved(repo: git.Repo, current: PatchState, file: str, hunk: Hunk) -> Found | None:
+    """Where the hunk's code went in the new release, and the hunk trial-applied there."""
+    matcher = difflib.SequenceMatcher(None, hunk.base, hunk.theirs, autojunk=False)
+    edits = [op for op in matcher.get_opcodes() if op[0] != "equal"]
+    names = [n for op in edits for n in enclosing_names(hunk.base, max(op[1] - 1, 0))]
+    for name in dict.fromkeys(names):
+        for target in defined_in(repo, name, file):
+            proposal, outcome = trial_apply(repo, current, file, target, name)
+            return Found(f"upstream moved {name} from {file} to {target}; the change to "
+                         f"it, trial-applied there, {outcome}", proposal)
+    return None
+
+
+def trial_apply(repo: git.Repo, current: PatchState, file: str, target: str,
+                name: str) -> tuple[Proposal | None, str]:
+    """The patch's change to ``name`` merged into its moved copy in ``target``, and
+    how that went."""
+    assert current.old_commit is not None
+    before = show(repo, f"{current.old_commit}^", file) or ""
+    after = show(repo, current.old_commit, file) or ""
+    moved_text = show(repo, "HEAD", target) or ""
+    spans = [definition_span(t, name) for t in (moved_text, before, after)]
+    if any(span is None for span in spans):
+        return None, f"could not be done ({name} is not whole in one of the three texts)"
+    pieces = [_cut(t, s) for t, s in zip((moved_text, before, after), spans)]
+    merged, conflicts = merge_file(*pieces)
+    first, last = spans[0]  # type: ignore[misc]
+    lines = moved_text.splitlines(keepends=True)
+    new_text = "".join(lines[:first - 1]) + merged + "".join(lines[last:])
+    diff = "".join(difflib.unified_diff(moved_text.splitlines(keepends=True),
+                                        new_text.splitlines(keepends=True),
+                                        f"a/{target}", f"b/{target}"))
+    if conflicts:
+        return None, f"leaves {conflicts} conflict(s)"
+    # the hunk itself resolves to upstream's side (the code is gone from this file)
+    return Proposal(f"the change to {name} applied in {target}; dropped here", target,
+                    None, diff), "merges cleanly"
+
+
+def _cut(text: str, span: tuple[int, int] | None) -> str:
+    assert span is not None
+    return "".join(text.splitlines(keepends=True)[span[0] - 1:span[1]])
+
+
+def merge_file(current: str, base: str, other: str) -> tuple[str, int]:
+    """git merge-file on three texts: (result, number of conflicts)."""
+    with tempfile.TemporaryDirectory() as folder:
+        paths = []
+        for label, text in (("current", current), ("base", base), ("other", other)):
+            path = Path(folder) / label
+            path.write_text(text)
+            paths.append(str(path))
+        result = subprocess.run(["git", "merge-file", "-p", "--diff3", *paths],
+                                capture_output=True, text=True)
+    if result.returncode < 0 or result.returncode > 127:
+        raise RuntimeError(result.stderr)
+    return result.stdout, result.returncode
+
+
+def successor_file(repo: git.Repo, current: PatchState, file: str,
+                   old_tag: str) -> str | None:
+    """For a file upstream deleted: the new release's file that defines most of what
+    the patch changes in it, else the nearest path among the files it added."""
+    assert current.old_commit is not None
+    before = show(repo, f"{current.old_commit}^", file) or ""
+    diff = repo.git.diff("-U0", f"{current.old_commit}^", current.old_commit, "--", file)
+    lines = before.splitlines()
+    names: list[str] = []
+    for match in re.finditer(r"^@@ -(\d+)", diff, re.MULTILINE):
+        names += enclosing_names(lines, max(int(match.group(1)) - 1, 0))[:1]
+    votes = Counter(t for name in set(names) for t in defined_in(repo, name, file))
+    if votes:
+        return votes.most_common(1)[0][0]
+    added = repo.git.diff("--name-only", "--diff-filter=A", f"refs/tags/{old_tag}",
+                          "HEAD").splitlines()
+    close = difflib.get_close_matches(file, added, n=1, cutoff=0.5)
+    return close[0] if close else None

@@ -1,0 +1,185 @@
+"""The rebase's step loop: each patch applied onto the new release with
+``git am --3way`` and classified as it lands: clean, offset, merged (the 3-way
+fallback) or resolved (a recorded whole resolution replayed, or the user's).
+The loop stops at a conflict, at a recorded resolution that no longer applies,
+and at a patch upstream already has (it applies in reverse) unless
+``--drop-obsolete`` drops it as obsolete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import git
+
+from e2.apply import PatchResult, apply_series, find_offsets
+from e2.errors import E2Error
+from e2.faults import checkpoint
+from e2.gitops import AM_FELL_BACK, COMMITTER_ENV, clone_worktree, git_am
+from e2.rebase import replay
+from e2.rebase.conflicts import capture_conflicts, unmerged_files
+from e2.rebase.hunks import classify_conflicts
+from e2.rebase.state import PatchState, PatchStatus, Phase, RebaseState
+from e2.rebase.workspace import Rebase
+from e2.series import Patch, Series, Upstream
+
+
+def start(rebase: Rebase, series: Series, target: Upstream, drop_obsolete: bool) -> RebaseState:
+    """Back up the series, check out the new release, record each patch's old commit."""
+    if rebase.in_progress():
+        raise E2Error(f"a rebase is already in progress ({rebase.state_file})",
+                      hint="e2 rebase --continue, --skip or --abort")
+    rebase.require_committed()
+    if target.tag == series.upstream.tag:
+        raise E2Error(f"the series is already on {target.tag}")
+    upstream = rebase.upstream_options()
+    upstream.cache.ensure(target, source=upstream.source, local=upstream.local)
+    shutil.rmtree(rebase.dir, ignore_errors=True)  # leftovers of a start killed before state
+    rebase.dir.mkdir(parents=True)
+    rebase.save_backup()
+    state = prepare_worktree(rebase, series, target, rebase.work)
+    state.drop_obsolete = drop_obsolete
+    rebase.rr_cache.mkdir(parents=True, exist_ok=True)
+    repo = rebase.repo()
+    # relative, so the checkout can move while a rebase is stopped
+    rr_link = Path(repo.git_dir) / "rr-cache"
+    os.symlink(os.path.relpath(rebase.rr_cache.resolve(), rr_link.parent.resolve()), rr_link)
+    with repo.config_writer() as config:
+        config.set_value("rerere", "autoUpdate", "true")
+    state.save(rebase.state_file)
+    return state
+
+
+def prepare_worktree(rebase: Rebase, series: Series, target: Upstream,
+                     work: Path) -> RebaseState:
+    """The new release checked out in ``work`` with the old series' commits fetched
+    as refs/e2/old; the state with each patch's old commit."""
+    upstream = rebase.upstream_options()
+    old = apply_series(rebase.project, series, work.parent / f"{work.name}-old", upstream,
+                       sparse=True)
+    repo = clone_worktree(upstream.cache.repo_dir, work, target.tag)
+    repo.git.fetch("-q", str(old.path), "e2:refs/e2/old")
+    shutil.rmtree(old.path)
+    with repo.config_writer() as config:
+        config.set_value("merge", "conflictStyle", "diff3")
+    return RebaseState(
+        source=series.upstream.model_dump(mode="json"),
+        target=target.model_dump(mode="json"),
+        patches=[PatchState(p.id, p.title, p.file, old_commit=r.commit)
+                 for p, r in zip(series.patches, old.results)])
+
+
+def apply_remaining(rebase: Rebase, state: RebaseState, series: Series) -> bool:
+    """Apply the remaining patches; False when stopped for the user."""
+    repo = rebase.repo()
+    by_id = {p.id: p for p in series.patches}
+    while (current := state.current()) is not None:
+        patch = by_id[current.id]
+        if not apply_one(rebase, repo, state, current, patch):
+            state.save(rebase.state_file)
+            return False
+        state.phase = Phase.APPLYING
+        state.save(rebase.state_file)
+    return True
+
+
+def apply_one(rebase: Rebase, repo: git.Repo, state: RebaseState, current: PatchState,
+              patch: Patch, store: Path | None = None) -> bool:
+    """One patch onto HEAD; False when it stops (the state says why)."""
+    patch_file = rebase.project.patch_path(patch)
+    target_tag = state.target["tag"]
+    if current.status == PatchStatus.PENDING and applies_in_reverse(repo, patch_file):
+        if not state.drop_obsolete:
+            current.status, state.phase = PatchStatus.CONFLICT, Phase.OBSOLETE
+            current.notes = [f"already in {target_tag}: applies in reverse"]
+            return False
+        current.status = PatchStatus.OBSOLETE
+        current.reason = f"already in upstream {target_tag} (dropped by --drop-obsolete)"
+        return True
+    current.status = PatchStatus.APPLYING
+    current.base_commit = repo.head.commit.hexsha
+    state.save(rebase.state_file)
+    store = store if store is not None else rebase.resolutions
+    outcome = replay.try_replay(repo, store, patch_file, current, target_tag)
+    if outcome is replay.Outcome.REPLAYED:
+        return True
+    checkpoint("before-am")
+    ok, fell_back = am_3way(repo, patch_file)
+    checkpoint("after-am")
+    if ok:
+        record_applied(rebase, repo, current, patch, fell_back)
+        if outcome is replay.Outcome.STALE:
+            # applies now, but its recorded resolution also changed other lines
+            current.status, state.phase = PatchStatus.CONFLICT, Phase.REPLAY
+            return False
+        return True
+    current.conflicts = classify_conflicts(repo, current, capture_conflicts(repo),
+                                           state.source["tag"])
+    if outcome is replay.Outcome.STALE:
+        current.status, state.phase = PatchStatus.CONFLICT, Phase.REPLAY
+    else:
+        current.status, state.phase = PatchStatus.CONFLICT, Phase.CONFLICT
+    if not unmerged_files(repo) and not current.notes:
+        # git rerere settled every conflicted hunk, but not what the resolution
+        # changed outside them: never commit that as the whole resolution
+        current.notes.append("git rerere re-resolved the conflicted hunks; edits the "
+                             "resolution made outside them are not replayed: check them")
+    return False
+
+
+def record_applied(rebase: Rebase, repo: git.Repo, current: PatchState, patch: Patch,
+                   fell_back: bool) -> None:
+    current.new_commit = repo.head.commit.hexsha
+    result = PatchResult(patch, "merged" if fell_back else "clean", current.new_commit)
+    find_offsets(repo, rebase.project, [result])
+    current.status, current.notes = PatchStatus(result.status), result.notes
+
+
+def commit_resolution(rebase: Rebase, repo: git.Repo, current: PatchState,
+                      target_tag: str) -> None:
+    """Commit the user's resolution (git am --continue) and record it whole."""
+    env = {**os.environ, **COMMITTER_ENV, "GIT_EDITOR": "true"}
+    if committed_since_stop(repo, current):
+        # killed after git am --continue committed, before the state was saved
+        if Path(repo.git_dir, "rebase-apply").exists():
+            subprocess.run(["git", "am", "--quit"], cwd=repo.working_tree_dir,
+                           capture_output=True, check=True)
+    else:
+        result = subprocess.run(["git", "am", "--continue"], cwd=repo.working_tree_dir,
+                                env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise E2Error(f"git am --continue failed for {current.id}: "
+                          f"{(result.stdout + result.stderr).strip()}",
+                          hint="if the resolution drops the whole patch, use e2 rebase --skip")
+        checkpoint("after-am-continue")
+    current.status = PatchStatus.RESOLVED
+    current.new_commit = repo.head.commit.hexsha
+    replay.record(repo, rebase.resolutions, rebase.project.patches_dir / current.file,
+                  current, target_tag)
+
+
+def committed_since_stop(repo: git.Repo, current: PatchState) -> bool:
+    """HEAD moved past the commit the patch stopped on (its resolution is in)."""
+    return (current.base_commit is not None
+            and repo.head.commit.hexsha != current.base_commit
+            and repo.head.commit.parents[0].hexsha == current.base_commit)
+
+
+# ---------------------------------------------------------------- git steps
+
+
+def applies_in_reverse(repo: git.Repo, patch_file: Path) -> bool:
+    try:
+        repo.git.apply("--reverse", "--check", str(patch_file))
+        return True
+    except git.GitCommandError:
+        return False
+
+
+def am_3way(repo: git.Repo, patch_file: Path) -> tuple[bool, bool]:
+    """git am --3way one patch: (applied, needed the 3-way fallback)."""
+    returncode, output = git_am(repo, [patch_file])
+    return returncode == 0, any(AM_FELL_BACK in line for line in output)
