@@ -2,11 +2,12 @@
 
 One folder, ``--cache DIR`` or ``$XDG_CACHE_HOME/vllm-e2`` (default
 ``~/.cache/vllm-e2``), holds the pinned sdists, the upstream repo, the test
-venvs, the CPU base's work dir, the offline model stores, the probes' models
-and packages, the private Docker daemon's state and the crash log. Every
-module asks a ``Cache`` for the path of its area; none joins folder names onto
-the root itself, so the layout is written down here once. The folder names are
-the ones e2 has always used, so an existing cache stays valid.
+venvs, the release's check tools, the CPU base's work dir, the offline model
+stores, the probes' models and packages, the private Docker daemon's state and
+the crash log. Every module asks a ``Cache`` for the path of its area; none
+joins folder names onto the root itself, so the layout is written down here
+once. The folder names are the ones e2 has always used, so an existing cache
+stays valid.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ class Cache:
     def venv(self, name: str) -> Path:
         """The test venv ``name`` (``<target>-<version>``)."""
         return self.root / "venvs" / name
+
+    def tools_venv(self, name: str) -> Path:
+        """A venv of the pinned release's check tools (ruff at its pin), one per
+        requirement set (``checks-<digest>``)."""
+        return self.root / "tools" / name
 
     @property
     def hub_stores(self) -> Path:

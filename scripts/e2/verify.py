@@ -12,6 +12,7 @@ from e2.dockerfile import dockerfile_drift, has_dockerfile
 from e2.errors import E2Error
 from e2.overlay import PACKAGE, OverlayPlan, overlay_drift, plan_overlay, sync_problems
 from e2.series import Project, Series
+from e2.upstream_checks import run as run_upstream_checks
 
 REGISTRY_FILE = f"{PACKAGE}/envs.py"
 
@@ -128,6 +129,21 @@ def check_dockerfile(project: Project, series: Series, plan: OverlayPlan) -> Che
     return check
 
 
+def check_upstream_findings(series: Series, tree: AppliedTree, upstream: UpstreamOptions,
+                            ) -> Check:
+    check = Check(f"{series.upstream.tag}'s own checks find nothing new in the files the "
+                  "series changes")
+    try:
+        found = run_upstream_checks(tree.repo, tree.base_commit, tree.head,
+                                    upstream.cache.cache, tree.path.parent,
+                                    series.upstream.tag)
+    except E2Error as exc:
+        check.problems.append(str(exc))
+        return check
+    check.problems += [str(f) for f in found]
+    return check
+
+
 def verify(project: Project, series: Series, upstream: UpstreamOptions) -> list[Check]:
     # series.yaml's schema is checked by loading it: a series that got here passed.
     checks = [check_ids(series), check_patch_files(project, series)]
@@ -139,6 +155,7 @@ def verify(project: Project, series: Series, upstream: UpstreamOptions) -> list[
         with ScratchTree(project, series, upstream) as tree:
             checks.append(check_switch_reads(series, tree))
             checks.append(check_tests_exist(series, tree))
+            checks.append(check_upstream_findings(series, tree, upstream))
             plan = plan_overlay(series, project, tree)
             checks.append(check_overlay(project, series, plan))
             if has_dockerfile(project):  # projects without the image template skip it

@@ -13,7 +13,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "verify", help="check the series is whole, applies exactly and matches overlay/",
         description="Schema, ids, series.yaml vs patches/, exact apply of every patch, "
-                    "switch read sites, declared tests, and overlay/ (and Dockerfile) equal "
+                    "switch read sites, declared tests, the pinned release's own checks "
+                    "(ruff check and format at its pin, SPDX headers, forbidden imports, "
+                    "config docstrings) on the files the series changes, failing on "
+                    "findings stock's files lack, and overlay/ (and Dockerfile) equal "
                     "to what the series generates.")
     parser.set_defaults(run=run, options=VerifyOptions)
 

@@ -1,0 +1,439 @@
+"""The pinned release's own checks over the files the series adds or changes (for
+e2 verify): its pre-commit hooks for ruff check and ruff format (ruff at the
+version it pins, with its pyproject.toml), the SPDX header, the forbidden imports
+and the config docstrings (its tools/pre_commit/ scripts).
+
+Everything comes from the release's tree (the upstream commit), so the checks
+follow whatever release the series is pinned to. Each file is checked twice, as
+stock has it and as the series leaves it, in throwaway trees; a finding fails
+only if stock's version of the file does not already have it. Findings are
+matched by rule and the text of the offending line, as a multiset, so lines
+that merely moved still match. Ruff and the hooks' Python dependencies live in
+a venv in the cache, made once per requirement set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import git
+import yaml
+from unidiff import Hunk, PatchSet
+
+from e2 import console
+from e2.cache import Cache
+from e2.errors import E2Error
+from e2.fsio import write_atomic
+
+CONFIG = ".pre-commit-config.yaml"
+TOOLS = "tools/pre_commit"
+RUFF_REPO = "ruff-pre-commit"
+# The release's local hooks that run here, by their id in its pre-commit config.
+LOCAL_HOOKS = ("check-spdx-header", "check-forbidden-imports", "validate-config")
+# ruff-pre-commit's own hook definitions (that repo's .pre-commit-hooks.yaml, not the
+# release's tree); the release's config adds args, of which --fix and the output
+# format are replaced: the checks report, they never rewrite.
+RUFF_HOOKS = {"ruff-check": ["check", "--force-exclude"],
+              "ruff-format": ["format", "--force-exclude"]}
+RUFF_TYPES = ("python", "pyi", "jupyter")
+DROPPED_ARGS = {"--fix": 0, "--output-format": 1, "--diff": 0, "--check": 0}
+# pre-commit's file types (the identify library's tags) that these hooks filter on,
+# by suffix; an executable with a python shebang and no suffix is not seen as python.
+TYPE_SUFFIXES = {"python": ".py", "pyi": ".pyi", "jupyter": ".ipynb", "rust": ".rs",
+                 "proto": ".proto"}
+MARKER = "e2-tools.json"
+
+
+@dataclass(frozen=True)
+class Finding:
+    path: str
+    line: int
+    code: str
+    message: str
+    text: str  # the offending line ("" for a finding about the whole file)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.code, self.text.strip()
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.code} {self.message}"
+
+
+@dataclass
+class Hook:
+    id: str
+    command: list[str]  # for ruff: ruff's arguments; for a local hook: its script and args
+    files: str = ""
+    exclude: str = "^$"
+    types: list[str] = field(default_factory=lambda: ["file"])
+    types_or: list[str] = field(default_factory=list)
+    exclude_types: list[str] = field(default_factory=list)
+
+    def selects(self, path: str, global_exclude: str) -> bool:
+        tags = {"file"} | {t for t, s in TYPE_SUFFIXES.items() if path.endswith(s)}
+        return (bool(re.search(self.files, path)) and not re.search(self.exclude, path)
+                and not re.search(global_exclude, path) and set(self.types) <= tags
+                and (not self.types_or or bool(tags & set(self.types_or)))
+                and not tags & set(self.exclude_types))
+
+
+@dataclass
+class Toolset:
+    """What the release's pre-commit config says to run, and with what."""
+
+    ruff_version: str
+    hooks: dict[str, Hook]
+    exclude: str
+    deps: list[str]
+
+    @property
+    def requirements(self) -> list[str]:
+        return [f"ruff=={self.ruff_version}", *sorted(set(self.deps))]
+
+
+def read_toolset(text: str, where: str) -> Toolset:
+    """The hooks of a release's .pre-commit-config.yaml (``where`` names it in errors)."""
+    try:
+        config = yaml.safe_load(text)
+        repos = config["repos"]
+    except (yaml.YAMLError, TypeError, KeyError) as exc:
+        raise E2Error(f"{where}: not a pre-commit config with repos: {exc}") from None
+    hooks: dict[str, Hook] = {}
+    deps: list[str] = []
+    version = None
+    for repo in repos:
+        url = str(repo.get("repo", ""))
+        for entry in repo.get("hooks", []):
+            hook_id = entry.get("id")
+            if url.rstrip("/").endswith(RUFF_REPO) and hook_id in RUFF_HOOKS:
+                version = str(repo.get("rev", "")).removeprefix("v")
+                command = RUFF_HOOKS[hook_id] + _kept_args(entry.get("args", []))
+                hooks[hook_id] = _hook(hook_id, command, entry, RUFF_TYPES)
+            elif url == "local" and hook_id in LOCAL_HOOKS:
+                command = shlex.split(entry.get("entry", "")) + entry.get("args", [])
+                if command[:1] != ["python"] or not command[1:2]:
+                    raise E2Error(f"{where}: hook {hook_id} runs {entry.get('entry')!r}, "
+                                  "not a python script")
+                hooks[hook_id] = _hook(hook_id, command[1:], entry)
+                deps += [str(d) for d in entry.get("additional_dependencies", [])]
+    missing = [h for h in (*RUFF_HOOKS, *LOCAL_HOOKS) if h not in hooks]
+    if missing or not version:
+        raise E2Error(f"{where} has no hook {', '.join(missing) or 'ruff'} with a pinned rev",
+                      hint="a release whose hooks are named otherwise needs RUFF_HOOKS and "
+                           "LOCAL_HOOKS in scripts/e2/upstream_checks.py updated")
+    return Toolset(version, hooks, str(config.get("exclude", "^$")), deps)
+
+
+def _kept_args(args: list[str]) -> list[str]:
+    kept, skip = [], 0
+    for arg in args:
+        if skip:
+            skip -= 1
+        elif arg.split("=", 1)[0] in DROPPED_ARGS:
+            skip = 0 if "=" in arg else DROPPED_ARGS[arg]
+        else:
+            kept.append(str(arg))
+    return kept
+
+
+def _hook(hook_id: str, command: list[str], entry: dict,
+          types_or: tuple[str, ...] = ()) -> Hook:
+    hook = Hook(hook_id, command, types_or=list(types_or))
+    for name in ("files", "exclude"):
+        if name in entry:
+            setattr(hook, name, str(entry[name]))
+    for name in ("types", "types_or", "exclude_types"):
+        if name in entry:
+            setattr(hook, name, list(entry[name]))
+    unknown = {t for t in (*hook.types, *hook.types_or, *hook.exclude_types)
+               if t != "file" and t not in TYPE_SUFFIXES}
+    if unknown:
+        raise E2Error(f"hook {hook_id} filters on file type {', '.join(sorted(unknown))}, "
+                      "which e2 does not map to file names",
+                      hint="add it to TYPE_SUFFIXES in scripts/e2/upstream_checks.py")
+    return hook
+
+
+# -- the tools' venv
+
+
+def ensure_tools(cache: Cache, requirements: list[str]) -> Path:
+    """The python of a venv with ``requirements`` installed (made once, under its lock)."""
+    wanted = {"requirements": requirements, "python": str(Path(sys.executable).resolve())}
+    digest = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:12]
+    root = cache.tools_venv(f"checks-{digest}")
+    python = root / "bin" / "python"
+    if _recorded(root) == wanted:
+        return python
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with Cache.lock(root):
+        if _recorded(root) == wanted:  # another run made it while we waited
+            return python
+        if root.exists():
+            shutil.rmtree(root)  # half made: no marker
+        steps = [([sys.executable, "-m", "venv", str(root)], f"creating {root}"),
+                 ([str(python), "-m", "pip", "install", "--no-input", "-q", *requirements],
+                  f"installing {' '.join(requirements)} into {root}")]
+        for command, what in steps:
+            with console.status(what):
+                done = subprocess.run(command, capture_output=True, text=True,
+                                      stdin=subprocess.DEVNULL)
+            if done.returncode != 0:
+                tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
+                raise E2Error(f"{what} failed (exit {done.returncode}): " + " | ".join(tail),
+                              hint="check the package index pip is configured with")
+        write_atomic(root / MARKER, json.dumps(wanted, indent=2) + "\n")  # last: complete
+    return python
+
+
+def _recorded(root: Path) -> dict | None:
+    try:
+        return json.loads((root / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# -- the two trees
+
+
+def changed_files(repo: git.Repo, base: str, head: str) -> list[str]:
+    """Every file the commits after ``base`` add or change (deletions have nothing to check)."""
+    out = repo.git.diff("--name-only", "--no-renames", "--diff-filter=d", base, head)
+    return sorted(out.splitlines())
+
+
+def _extract(repo: git.Repo, commit: str, specs: list[str], dest: Path) -> None:
+    data = repo.git.archive("--format=tar", commit, "--", *specs, stdout_as_string=False)
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        archive.extractall(dest, filter="data")
+
+
+def _write_tree(repo: git.Repo, commit: str, paths: list[str], dest: Path) -> list[str]:
+    """The ``paths`` ``commit`` has (returned) under ``dest``, beside an empty stand-in
+    for each other ``__init__.py`` of ``commit``: ruff's package rule (INP) and its
+    import sorting look at which folders are packages, never into them."""
+    listing = repo.git.ls_tree("-r", "--name-only", commit).splitlines()
+    for name in listing:
+        if name.rsplit("/", 1)[-1] == "__init__.py":
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            (dest / name).touch()
+    present = sorted(set(paths) & set(listing))
+    if present:
+        _extract(repo, commit, present, dest)
+    return present
+
+
+# -- running the checks in one tree
+
+
+def _lines(root: Path, paths: list[str]) -> dict[str, list[str]]:
+    return {p: (root / p).read_text(encoding="utf-8", errors="replace").splitlines()
+            for p in paths}
+
+
+def _finding(lines: dict[str, list[str]], path: str, line: int, code: str,
+             message: str) -> Finding:
+    text = lines[path][line - 1] if 0 < line <= len(lines[path]) else ""
+    return Finding(path, line, code, message.strip(), text)
+
+
+def _ruff(python: Path, root: Path, args: list[str]) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(python), "-m", "ruff", *args], cwd=root, capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL)
+    if done.returncode not in (0, 1):
+        raise E2Error(f"ruff {args[0]} failed (exit {done.returncode}): "
+                      f"{done.stderr.strip()[-500:]}")
+    return done
+
+
+def ruff_check(python: Path, root: Path, hook: Hook, paths: list[str],
+               lines: dict[str, list[str]]) -> list[Finding]:
+    done = _ruff(python, root, [*hook.command, "--no-fix", "--output-format", "json",
+                                "--", *paths])
+    findings = []
+    for item in json.loads(done.stdout or "[]"):
+        path = Path(item["filename"]).resolve().relative_to(root.resolve()).as_posix()
+        findings.append(_finding(lines, path, item["location"]["row"],
+                                 item.get("code") or "syntax-error", item["message"]))
+    return findings
+
+
+def ruff_format(python: Path, root: Path, hook: Hook, paths: list[str]) -> list[Finding]:
+    """One finding per file ruff format would rewrite, at its first changed line."""
+    done = _ruff(python, root, [*hook.command, "--diff", "--", *paths])
+    findings = []
+    for patched in PatchSet(done.stdout):
+        findings.append(Finding(patched.path, _first_change(patched[0]), hook.id,
+                                f"ruff format would change this file in {len(patched)} "
+                                "place(s), the first here", ""))
+    return findings
+
+
+def _first_change(hunk: Hunk) -> int:
+    """The stock line of the hunk's first change (for an insertion: the line it precedes)."""
+    line = hunk.source_start - 1
+    for row in hunk:
+        if not row.is_context:
+            return row.source_line_no or line + 1
+        line = row.source_line_no or line
+    return hunk.source_start
+
+
+# Runs each local hook's script once per file, all in one process (pre-commit
+# batches the files, and a script that stops at its first failure would hide the
+# rest), with each run's exit status and output, and whether it changed the file
+# (which pre-commit counts as a failure); the file is put back for the next run.
+RUNNER = r"""
+import contextlib, io, json, os, runpy, sys, traceback
+results = {}
+for hook, command, files in json.load(sys.stdin):
+    script = command[0]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    for path in files:
+        before = open(path, "rb").read()
+        out, code, crash = io.StringIO(), 0, None
+        sys.argv = [*command, path]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            except BaseException:
+                crash = traceback.format_exc()
+        after = open(path, "rb").read()
+        if after != before:
+            open(path, "wb").write(before)
+        results.setdefault(hook, []).append({"file": path, "code": code, "crash": crash,
+                                             "output": out.getvalue(),
+                                             "modified": after != before})
+    sys.path.pop(0)
+print(json.dumps(results))
+"""
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# How the release's scripts name a line: "path:12: ..." (forbidden imports) or
+# "line(12): ..." (validate_config).
+LINE_REF = re.compile(r"^(?P<path>\S+?):(?P<line>\d+):\s*(?:error:\s*)?(?P<message>.*)$|"
+                      r"line\((?P<line2>\d+)\):\s*(?P<message2>.*)$", re.MULTILINE)
+
+
+def local_hooks(python: Path, root: Path, jobs: list[tuple[Hook, list[str]]],
+                lines: dict[str, list[str]]) -> list[Finding]:
+    if not jobs:
+        return []
+    hooks = {hook.id: hook for hook, _ in jobs}
+    job = json.dumps([(hook.id, hook.command, paths) for hook, paths in jobs])
+    done = subprocess.run([str(python), "-c", RUNNER], cwd=root, input=job,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise E2Error(f"the release's hook scripts could not run: "
+                      f"{done.stderr.strip()[-500:]}")
+    findings = []
+    for hook_id, results in json.loads(done.stdout).items():
+        for result in results:
+            findings += _hook_findings(hooks[hook_id], result, lines)
+    return findings
+
+
+def _hook_findings(hook: Hook, result: dict, lines: dict[str, list[str]]) -> list[Finding]:
+    path, output = result["file"], ANSI.sub("", result["output"])
+    if result["crash"]:  # never a finding: stock would crash alike and hide it
+        last = result["crash"].strip().splitlines()[-1]
+        raise E2Error(f"{hook.id} ({' '.join(hook.command)}) crashed on {path}: {last}")
+    if result["code"] == 0 and not result["modified"]:
+        return []
+    findings = []
+    for ref in LINE_REF.finditer(output):
+        if ref.group("line2"):
+            findings.append(_finding(lines, path, int(ref.group("line2")), hook.id,
+                                     ref.group("message2")))
+        elif ref.group("path") == path:
+            findings.append(_finding(lines, path, int(ref.group("line")), hook.id,
+                                     ref.group("message")))
+    if not findings:  # about the whole file: the script's own first line says what
+        said = [s.strip().rstrip(":") for s in output.splitlines()
+                if s.strip() and s.strip() != path]
+        findings.append(Finding(path, 1, hook.id, said[0] if said else
+                                f"{hook.command[0]} changed this file", ""))
+    return findings
+
+
+def tree_findings(python: Path, root: Path, toolset: Toolset,
+                  paths: list[str]) -> list[Finding]:
+    lines = _lines(root, paths)
+    selected = {hook_id: [p for p in paths if hook.selects(p, toolset.exclude)]
+                for hook_id, hook in toolset.hooks.items()}
+    findings = []
+    if selected["ruff-check"]:
+        findings += ruff_check(python, root, toolset.hooks["ruff-check"],
+                               selected["ruff-check"], lines)
+    if selected["ruff-format"]:
+        findings += ruff_format(python, root, toolset.hooks["ruff-format"],
+                                selected["ruff-format"])
+    jobs = [(toolset.hooks[h], selected[h]) for h in LOCAL_HOOKS if selected[h]]
+    return findings + local_hooks(python, root, jobs, lines)
+
+
+# -- stock against the series
+
+
+def new_findings(stock: list[Finding], patched: list[Finding]) -> list[Finding]:
+    """The patched findings stock's version of the same file does not have (per file, by
+    rule and line text, as many times as stock has each)."""
+    budget: dict[str, Counter] = {}
+    for finding in stock:
+        budget.setdefault(finding.path, Counter())[finding.key] += 1
+    new = []
+    for finding in sorted(patched, key=lambda f: (f.path, f.line, f.code)):
+        left = budget.setdefault(finding.path, Counter())
+        if left[finding.key] > 0:
+            left[finding.key] -= 1
+        else:
+            new.append(finding)
+    return new
+
+
+def run(repo: git.Repo, base: str, head: str, cache: Cache, workdir: Path,
+        release: str) -> list[Finding]:
+    """The findings of ``release``'s checks (its tree at ``base``) in the files ``head``
+    adds or changes that stock's files do not have; ``workdir`` holds the trees."""
+    paths = changed_files(repo, base, head)
+    if not paths:
+        return []
+    listing = set(repo.git.ls_tree("-r", "--name-only", base).splitlines())
+    if CONFIG not in listing or not any(p.startswith(TOOLS + "/") for p in listing):
+        raise E2Error(f"{release}'s tree has no {CONFIG} or no {TOOLS}/: its own checks "
+                      "cannot run",
+                      hint="the checks come from the release's sdist; pin a release whose "
+                           "tree has them")
+    toolset = read_toolset(repo.git.show(f"{base}:{CONFIG}"), f"{release}'s {CONFIG}")
+    for hook in toolset.hooks.values():
+        if hook.id in LOCAL_HOOKS and hook.command[0] not in listing:
+            raise E2Error(f"{release}'s {CONFIG} runs {hook.command[0]} for {hook.id}, "
+                          "which its tree does not have")
+    python = ensure_tools(cache, toolset.requirements)
+    with tempfile.TemporaryDirectory(dir=workdir, prefix="checks-") as tmp:
+        stock_root, patched_root = Path(tmp) / "stock", Path(tmp) / "patched"
+        with console.status(f"running {release}'s checks (ruff {toolset.ruff_version}) "
+                            f"on {len(paths)} files"):
+            stock_paths = _write_tree(repo, base, paths, stock_root)
+            _write_tree(repo, head, paths, patched_root)
+            for root in (stock_root, patched_root):  # the release's own, whatever the series did
+                _extract(repo, base, ["pyproject.toml", CONFIG, TOOLS], root)
+            with ThreadPoolExecutor(2) as pool:  # the two trees side by side
+                stock = pool.submit(tree_findings, python, stock_root, toolset, stock_paths)
+                patched = pool.submit(tree_findings, python, patched_root, toolset, paths)
+                return new_findings(stock.result(), patched.result())
