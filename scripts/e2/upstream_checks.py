@@ -14,6 +14,7 @@ a venv in the cache, made once per requirement set.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import io
 import json
@@ -223,18 +224,53 @@ def _extract(repo: git.Repo, commit: str, specs: list[str], dest: Path) -> None:
 
 
 def _write_tree(repo: git.Repo, commit: str, paths: list[str], dest: Path) -> list[str]:
-    """The ``paths`` ``commit`` has (returned) under ``dest``, beside an empty stand-in
-    for each other ``__init__.py`` of ``commit``: ruff's package rule (INP) and its
-    import sorting look at which folders are packages, never into them."""
-    listing = repo.git.ls_tree("-r", "--name-only", commit).splitlines()
-    for name in listing:
-        if name.rsplit("/", 1)[-1] == "__init__.py":
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            (dest / name).touch()
-    present = sorted(set(paths) & set(listing))
+    """The ``paths`` ``commit`` has (returned) under ``dest``, and an empty stand-in for
+    each other file of ``commit`` whose existence ruff looks at (a whole tree of
+    stand-ins would cost seconds of file creation)."""
+    listing = set(repo.git.ls_tree("-r", "--name-only", commit).splitlines())
+    present = sorted(set(paths) & listing)
     if present:
         _extract(repo, commit, present, dest)
+    folders = {name.rsplit("/", 1)[0] for name in listing if "/" in name}
+    files, dirs = _looked_at(dest, present)
+    for folder in dirs & folders:
+        (dest / folder).mkdir(parents=True, exist_ok=True)
+    for name in (files & listing) - set(present):
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).touch()
     return present
+
+
+def _looked_at(root: Path, paths: list[str]) -> tuple[set[str], set[str]]:
+    """The files and folders whose existence ruff checks for ``paths``: the packages
+    above each (its INP rule) and the modules their imports name (import sorting
+    calls a module first-party when it is there)."""
+    files: set[str] = set()
+    dirs: set[str] = set()
+    for path in paths:
+        parts = path.split("/")[:-1]
+        files.update("/".join(parts[:i]) + "/__init__.py" for i in range(1, len(parts) + 1))
+        if not path.endswith((".py", ".pyi")):
+            continue
+        try:
+            tree = ast.parse((root / path).read_bytes())
+        except (SyntaxError, ValueError):
+            continue  # ruff reports it
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for name in names:
+                segments = name.split(".")
+                for i in range(1, len(segments) + 1):
+                    base = "/".join(segments[:i])
+                    dirs.add(base)
+                    files.update((f"{base}.py", f"{base}.pyi", f"{base}/__init__.py",
+                                  f"{base}/__init__.pyi"))
+    return files, dirs
 
 
 # -- running the checks in one tree

@@ -23,6 +23,12 @@ from e2.upstream_checks import CONFIG, Finding, ensure_tools, new_findings, read
 ENVS = "vllm/envs.py"
 ANCHOR = "def get_default_config_root():\n"
 SERIES = load_series(REPO_ROOT / "series.yaml")
+# A new file: its imports sorted as vLLM's isort wants them once vllm's modules are
+# first-party (the check's trees must show them), but no SPDX header.
+NEW_FILE = ('import torch\n\nfrom vllm.sampling_params import SamplingParams\n\n'
+            'SWITCH = "VLLM_E2_PLANTED"\n__all__ = ["SWITCH", "SamplingParams", "torch"]\n')
+SPDX = ("# SPDX-License-Identifier: Apache-2.0\n"
+        "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project\n")
 CHECK = (f"{SERIES.upstream.tag}'s own checks find nothing new in the files the series "
          "changes")
 
@@ -50,7 +56,7 @@ def test_planted_violations_fail_verify_naming_file_and_line(e2):
     long_line = f'    _ = "{"x" * 90}"\n'
     envs = envs.replace(ANCHOR, ANCHOR + long_line, 1)
     line = envs.splitlines(keepends=True).index(long_line) + 1
-    plant(e2, {ENVS: envs, "vllm/e2_planted.py": 'SWITCH = "VLLM_E2_PLANTED"\n'},
+    plant(e2, {ENVS: envs, "vllm/e2_planted.py": NEW_FILE},
           "envs: planted findings")
     e2("export", expect=1)  # the new patch needs its metadata
     e2.fill_metadata(None, "VLLM_E2_PLANTED")
@@ -66,9 +72,7 @@ def test_planted_violations_fail_verify_naming_file_and_line(e2):
     # fixed in the patch, the check passes
     e2("apply", "--force")
     fixed = {ENVS: (e2.work / ENVS).read_text().replace(long_line, '    _ = "x"\n'),
-             "vllm/e2_planted.py": "# SPDX-License-Identifier: Apache-2.0\n# SPDX-File"
-                                   "CopyrightText: Copyright contributors to the vLLM "
-                                   'project\nSWITCH = "VLLM_E2_PLANTED"\n'}
+             "vllm/e2_planted.py": SPDX + NEW_FILE}
     repo = e2.worktree()
     for path, text in fixed.items():
         (e2.work / path).write_text(text)
