@@ -10,6 +10,7 @@ condition the author fills in (verify names what is missing).
 
 from __future__ import annotations
 
+import hashlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,11 @@ from e2.fsio import read_tree, recover_dir, replace_dir, write_atomic
 from e2.gitops import (
     FORMAT_PATCH_FLAGS,
     commit_summary,
+    has_record,
+    history_patch_ids,
     open_worktree,
+    patch_id,
+    read_record,
     require_clean,
     stable_git,
     worktree_base,
@@ -125,13 +130,29 @@ def export_series(project: Project, series: Series, source: Path) -> ExportResul
 
     data = series.model_dump(mode="json")
     data["patches"] = entries
-    previous = project.series_file.read_text(encoding="utf-8")
-    text = render_series(data, previous)  # the user's comments stay
-    changed = (read_tree(project.patches_dir, "*.patch") != contents or previous != text)
+    changed = _write(project, series, repo, base, render_series(data, _previous(project)),
+                     contents)
+    return ExportResult(entries, new, dropped, changed)
+
+
+def _previous(project: Project) -> str:
+    return project.series_file.read_text(encoding="utf-8")
+
+
+def _write(project: Project, series: Series, repo: git.Repo, base: str, text: str,
+           exported: dict[str, bytes]) -> bool:
+    """patches/ and series.yaml as exported (the user's comments kept in ``text``); True
+    when either changed."""
+    old_patches = read_tree(project.patches_dir)
+    # files series.yaml does not list (notes, a patch not in the series yet) are the user's
+    users = {name: blob for name, blob in old_patches.items()
+             if name not in {p.file for p in series.patches}}
+    _refuse_losses(repo, series, base, old_patches, users, exported)
+    contents = {**users, **exported}
+    changed = old_patches != contents or _previous(project) != text
     if changed:
         # Interrupted between the two writes, patches/ is put back; killed there,
         # a second export finishes the job (the commits are still in the worktree).
-        old_patches = read_tree(project.patches_dir)
         replace_dir(project.patches_dir, contents)
         try:
             checkpoint("export-patches-written")
@@ -139,5 +160,33 @@ def export_series(project: Project, series: Series, source: Path) -> ExportResul
         except BaseException:
             replace_dir(project.patches_dir, old_patches)
             raise
-    write_record(repo, contents.values())  # what was there is now in patches/ or dropped
-    return ExportResult(entries, new, dropped, changed)
+    write_record(repo, exported.values())  # what was there is now in patches/ or dropped
+    return changed
+
+
+def _refuse_losses(repo: git.Repo, series: Series, base: str, on_disk: dict[str, bytes],
+                   kept: dict[str, bytes], contents: dict[str, bytes]) -> None:
+    """Export rewrites only what e2 wrote: a file it does not list that an exported
+    patch would replace, or a listed patch file edited by hand since e2 last applied
+    or exported this worktree (when it would change or go), is refused by name."""
+    clash = sorted(name for name in kept if contents.get(name, kept[name]) != kept[name])
+    if clash:
+        raise E2Error(f"patches/{clash[0]} is not in series.yaml, and export would "
+                      "overwrite it with the worktree's patch of that name",
+                      hint="move it out of patches/, then export again")
+    at_risk = [p.file for p in series.patches
+               if p.file in on_disk and contents.get(p.file) != on_disk[p.file]]
+    seen = set(read_record(repo)["patch_files"])
+    ids = None if has_record(repo) else history_patch_ids(repo, base)
+    edited = [name for name in at_risk
+              if hashlib.sha256(on_disk[name]).hexdigest() not in seen
+              and on_disk[name] not in contents.values()
+              and (ids is None or patch_id(repo, on_disk[name]) not in ids)]
+    if edited:
+        names = ", ".join(f"patches/{name}" for name in edited)
+        raise E2Error(f"{names} changed since e2 last applied or exported {repo.working_tree_dir} "
+                      "(edited by hand, or another checkout's); export would overwrite "
+                      f"{'them' if len(edited) > 1 else 'it'}",
+                      hint="to keep the edit, make it in the worktree's commit for that "
+                           "patch; to drop it, git checkout -- (or move away) the file; "
+                           "then export again")

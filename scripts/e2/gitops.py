@@ -183,6 +183,20 @@ def require_clean(repo: git.Repo, why: str) -> None:
 RECORD = "e2-record.json"
 
 
+def has_record(repo: git.Repo) -> bool:
+    return Path(repo.git_dir, RECORD).is_file()
+
+
+def history_patch_ids(repo: git.Repo, base: str) -> set[str]:
+    """The patch ids of every commit on ``base`` that HEAD or a reflog reaches."""
+    log = subprocess.run(["git", "log", "-p", "--format=commit %H", *DIFF_FLAGS, "--reflog",
+                          "HEAD", "--not", f"refs/tags/{base}"],
+                         cwd=repo.git_dir, capture_output=True, check=True).stdout
+    ids = subprocess.run(["git", "patch-id", "--stable"], input=log, cwd=repo.git_dir,
+                         capture_output=True, check=True).stdout
+    return {line.split()[0] for line in ids.decode().splitlines() if line.strip()}
+
+
 def read_record(repo: git.Repo) -> dict[str, list[str]]:
     try:
         data = json.loads(Path(repo.git_dir, RECORD).read_text(encoding="utf-8"))
