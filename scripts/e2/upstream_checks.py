@@ -121,7 +121,7 @@ def read_toolset(text: str, where: str) -> Toolset:
         for entry in repo.get("hooks", []):
             hook_id = entry.get("id")
             if url.rstrip("/").endswith(RUFF_REPO) and hook_id in RUFF_HOOKS:
-                version = str(repo.get("rev", "")).removeprefix("v")
+                version = _ruff_version(text, str(repo.get("rev", "")), where)
                 command = RUFF_HOOKS[hook_id] + _kept_args(entry.get("args", []))
                 hooks[hook_id] = _hook(hook_id, command, entry, RUFF_TYPES)
             elif url == "local" and hook_id in LOCAL_HOOKS:
@@ -137,6 +137,18 @@ def read_toolset(text: str, where: str) -> Toolset:
                       hint="a release whose hooks are named otherwise needs RUFF_HOOKS and "
                            "LOCAL_HOOKS in scripts/e2/upstream_checks.py updated")
     return Toolset(version, hooks, str(config.get("exclude", "^$")), deps)
+
+
+def _ruff_version(text: str, rev: str, where: str) -> str:
+    """ruff's version from its pre-commit rev: a tag (v0.14.0), or a commit frozen by
+    ``pre-commit autoupdate --freeze``, whose comment names the tag."""
+    if not re.fullmatch(r"[0-9a-f]{40}", rev):
+        return rev.removeprefix("v")
+    frozen = re.search(rf"rev:\s*['\"]?{rev}['\"]?\s*#\s*frozen:\s*v?(\S+)", text)
+    if not frozen:
+        raise E2Error(f"{where} pins {RUFF_REPO} to commit {rev} with no '# frozen: <tag>' "
+                      "comment naming its version")
+    return frozen.group(1)
 
 
 def _kept_args(args: list[str]) -> list[str]:

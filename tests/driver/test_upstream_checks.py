@@ -148,6 +148,17 @@ def test_ruff_is_the_version_the_pinned_release_pins(upstream_cache):
     assert ensure_tools(upstream_cache.cache, toolset.requirements) == python  # made once
 
 
+def test_a_rev_frozen_to_a_commit_pins_the_version_its_comment_names(upstream_cache):
+    config = git.Repo(upstream_cache.repo_dir).git.show(f"{SERIES.upstream.tag}:{CONFIG}")
+    rev = re.search(r"ruff-pre-commit\n  rev: (\S+)", config)
+    assert rev, "the release's config names ruff-pre-commit and its rev"
+    sha = "f368fb366ff7f2f808dd324b83a6d32267799e19"
+    frozen = config.replace(rev.group(0), f"ruff-pre-commit\n  rev: {sha}  # frozen: v0.17.2")
+    assert read_toolset(frozen, CONFIG).ruff_version == "0.17.2"
+    with pytest.raises(E2Error, match=f"pins ruff-pre-commit to commit {sha} with no "):
+        read_toolset(config.replace(rev.group(0), f"ruff-pre-commit\n  rev: {sha}"), CONFIG)
+
+
 def test_a_release_without_its_checks_is_refused_in_one_line(e2, upstream_tree, tmp_path):
     repo, tag = upstream_tree, SERIES.upstream.tag
     envs = (e2.work / ENVS).read_text()
