@@ -75,6 +75,12 @@ class Cache:
         return self.root / "tools" / name
 
     @property
+    def stock_findings(self) -> Path:
+        """What those checks find in stock's files, one JSON file per release, tool set
+        and file list (stock never changes, so it is checked once)."""
+        return self.root / "tools" / "stock-findings"
+
+    @property
     def hub_stores(self) -> Path:
         """The offline model stores, one folder per digest of their inputs."""
         return self.root / "hub-stores"

@@ -17,8 +17,9 @@ import yaml
 
 from conftest import REPO_ROOT
 from e2.errors import E2Error
+from e2.precommit import CONFIG, Finding, read_toolset
 from e2.series import load_series
-from e2.upstream_checks import CONFIG, Finding, ensure_tools, new_findings, read_toolset, run
+from e2.upstream_checks import ensure_tools, new_findings, run
 
 ENVS = "vllm/envs.py"
 ANCHOR = "def get_default_config_root():\n"
