@@ -82,7 +82,6 @@ def plan_overlay(series: Series, project: Project, tree: AppliedTree) -> Overlay
     repo = tree.repo
     patch_of_commit = {r.commit: r.patch.id for r in tree.results}
     touched: dict[str, list[str]] = {}
-    status: dict[str, str] = {}
     log = repo.git.log("--reverse", "--no-renames", "--format=%x00%H", "--name-status",
                        f"{tree.base_commit}..HEAD")
     for chunk in log.split("\x00")[1:]:
@@ -100,10 +99,7 @@ def plan_overlay(series: Series, project: Project, tree: AppliedTree) -> Overlay
                       "dependencies stay as built):\n  " + "\n  ".join(lines),
                       hint="express the change in Python under vllm/, or build a full "
                            "wheel instead of an overlay")
-    for entry in repo.git.diff("--no-renames", "--name-status", tree.base_commit, "HEAD",
-                               "--", PACKAGE).splitlines():
-        kind, path = entry.split("\t", 1)
-        status[path] = kind
+    status = _package_changes(repo, tree.base_commit, touched)
     base = repo.commit(tree.base_commit).tree
     head = repo.head.commit.tree
     files, deleted = [], []
@@ -128,6 +124,39 @@ def plan_overlay(series: Series, project: Project, tree: AppliedTree) -> Overlay
                      "patches": list(d.patches)} for d in deleted],
     }
     return OverlayPlan(tuple(files), tuple(deleted), manifest)
+
+
+def _package_changes(repo: git.Repo, base: str, touched: dict[str, list[str]]) -> dict[str, str]:
+    """Each path under vllm/ the series changes, with git's kind (A, M, D); a symbolic
+    link, a submodule or a mode change is refused: an overlay carries contents only."""
+    status, unfit = {}, []
+    raw = repo.git.diff("--no-renames", "--raw", "-z", base, "HEAD", "--",
+                        PACKAGE).split("\x00")
+    for fields, path in zip(raw[0:-1:2], raw[1::2]):  # ":<modes> <ids> <kind>", then the path
+        old_mode, new_mode, *_, kind = fields.lstrip(":").split()
+        status[path] = kind
+        problem = _unfit_mode(old_mode, new_mode)
+        if problem:
+            unfit.append(f"{path} (patch {', '.join(dict.fromkeys(touched.get(path, [])))}: "
+                         f"{problem})")
+    if unfit:
+        raise E2Error("the series changes what an overlay of plain files cannot carry (the "
+                      "overlay copies file contents only):\n  " + "\n  ".join(unfit),
+                      hint="keep the file a regular, non-executable file with its upstream "
+                           "mode, and change its contents instead")
+    return status
+
+
+def _unfit_mode(old: str, new: str) -> str | None:
+    """Why a file of this mode change cannot go in the overlay, or None."""
+    names = {"120000": "a symbolic link", "160000": "a submodule", "100755": "executable"}
+    if new in ("120000", "160000"):
+        return f"makes it {names[new]}"
+    if old != "000000" and new != "000000" and old != new:
+        return f"changes its mode {old} -> {new}"
+    if old == "000000" and new == "100755":
+        return "adds it executable"
+    return None
 
 
 def _blob_sha256(tree: git.Tree, path: str) -> str | None:
@@ -202,6 +231,11 @@ def sync_problems(project: Project, series: Series) -> list[str]:
     if digest and manifest["series_digest"] != digest:
         problems.append(f"overlay/ was made from series {manifest['series_digest'][:12]}, "
                         f"series.yaml and patches/ are {digest[:12]} (run e2 overlay)")
+    if digest and manifest["series_digest"] == digest:
+        info = project.overlay_dir / SERIES_INFO
+        if info.is_file() and info.read_bytes() != _series_info(series, digest).data:
+            problems.append(f"overlay/{SERIES_INFO} does not say what series.yaml does (a "
+                            "title or switch changed since e2 overlay; run e2 overlay)")
     listed = {entry["path"] for entry in manifest["files"]}
     problems += [problem for entry in manifest["files"]
                  if (problem := _checked_file(project, entry)[1]) is not None]

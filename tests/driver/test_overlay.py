@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from conftest import copy_real_patches
 from e2 import fsio
 from e2.fsio import recover_dir
 
@@ -136,3 +137,69 @@ def test_a_kill_between_the_two_renames_is_repaired(tmp_path):
     recover_dir(target)
     assert (target / "vllm" / "envs.py").read_text() == "old\n"
     assert not old.exists() and not new.exists()
+
+
+def commit_mode_change(e2, kind: str) -> str:
+    """Commit one change the overlay cannot carry; the path it names."""
+    repo = e2.worktree()
+    if kind == "symlink":
+        (e2.work / "vllm/e2_link.py").symlink_to("envs.py")
+        path = "vllm/e2_link.py"
+    elif kind == "now-a-symlink":
+        path = "vllm/e2_envs_alias.py"
+        (e2.work / path).symlink_to("envs.py")
+        repo.git.add(path)
+        repo.git.commit("-qm", "an alias")  # upstream of the series: a plain file at first
+        path = "vllm/envs.py"
+        (e2.work / path).unlink()
+        (e2.work / path).symlink_to("e2_envs_alias.py")
+    elif kind == "executable":
+        path = "vllm/version.py"
+    elif kind == "not-executable":  # executable upstream
+        path = "vllm/envs.py"
+        (e2.work / path).chmod(0o644)
+        repo.git.add("--chmod=-x", path)
+    else:  # a new executable file
+        path = "vllm/e2_tool.py"
+        (e2.work / path).write_text("print('hi')\n")
+    repo.git.add("-A")
+    if kind in ("executable", "new-executable"):
+        (e2.work / path).chmod(0o755)
+        repo.git.add("--chmod=+x", path)  # whatever core.fileMode says
+    repo.git.commit("-qm", f"{kind} change")
+    return path
+
+
+@pytest.mark.parametrize("kind,what", [("symlink", "makes it a symbolic link"),
+                                       ("now-a-symlink", "makes it a symbolic link"),
+                                       ("executable", "changes its mode 100644 -> 100755"),
+                                       ("not-executable", "changes its mode 100755 -> 100644"),
+                                       ("new-executable", "adds it executable")])
+def test_symlinks_and_mode_changes_are_refused_not_flattened(e2, kind, what):
+    e2("apply")
+    path = commit_mode_change(e2, kind)
+    e2("export", expect=1)
+    for number in range(2 if kind == "now-a-symlink" else 1):
+        e2.fill_metadata(None, f"VLLM_E2_MODE_{number}")
+    _, _, err = e2("overlay", expect=1)
+    assert "the series changes what an overlay of plain files cannot carry" in err
+    assert f"{path} (patch " in err and what in err
+    assert "Traceback" not in err
+    assert not e2.project.overlay_dir.exists()
+
+
+def test_a_retitled_patch_puts_e2_series_json_out_of_sync(e2):
+    copy_real_patches(e2)
+    e2("overlay")
+    _, out, _ = e2("status")
+    assert "in sync" in out
+    title = e2.project.load().patches[0].title
+    e2.project.series_file.write_text(e2.series_text().replace(title, "A new title", 1))
+    assert e2.project.load().patches[0].title == "A new title"
+    _, out, _ = e2("status", expect=1)
+    assert "overlay/vllm/e2_series.json does not say what series.yaml does" in out
+    e2("overlay")
+    info = json.loads((e2.project.overlay_dir / "vllm/e2_series.json").read_text())
+    assert info["patches"][0]["title"] == "A new title"
+    _, out, _ = e2("status")
+    assert "in sync" in out
