@@ -57,3 +57,12 @@ def log_boot_report(log: logging.Logger, enabled: bool) -> bool:
         return False
     log.info("%s", boot_report())
     return True
+
+
+def check_switches_and_report(log: logging.Logger, first_local_rank: bool) -> None:
+    """The engine core's start: every VLLM_E2_* value checked on every rank (a
+    malformed one raises), the report logged by a node's first rank when
+    VLLM_E2_REPORT is on."""
+    envs.validate_e2_switches()
+    if first_local_rank:
+        log_boot_report(log, enabled=envs.VLLM_E2_REPORT)

@@ -329,7 +329,6 @@ if TYPE_CHECKING:
     VLLM_GPU_NIC_PCIE_MAPPING: str = ""
     VLLM_NIC_SELECTION_VARS: str = ""
     VLLM_ENABLE_HPC_OPS: bool = False
-    VLLM_E2_REPORT: bool = True
 
 
 def get_default_cache_root():
@@ -633,7 +632,7 @@ E2_SWITCHES: dict[str, E2Switch] = {
         E2Switch(
             name="VLLM_E2_REPORT",
             default=True,
-            read_in="vllm/v1/engine/core.py",
+            read_in="vllm/e2.py",
             compiled=False,
             doc="Log the E2 series digest and every switch value "
             "when the engine starts.",
@@ -641,7 +640,7 @@ E2_SWITCHES: dict[str, E2Switch] = {
         E2Switch(
             name="VLLM_E2_STATE_POOL",
             default=True,
-            read_in="vllm/v1/core/state_pool.py",
+            read_in="vllm/v1/core/state_pool/planner.py",
             compiled=False,
             doc="Hybrid models: attention at the backend's natural block size, "
             "cut from the state-sized pages of the shared pool.",

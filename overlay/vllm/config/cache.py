@@ -168,11 +168,11 @@ class CacheConfig:
     """Layer patterns to skip KV cache quantization. Accepts layer indices
     (e.g., '0', '2', '4') or attention type names (e.g., 'sliding_window')."""
     mamba_page_size_padded: int | None = None
+    """ Optional override for mamba page size; used by hybrid mamba/attention
+    models to ensure exact alignment with attention page size."""
     e2_attention_block_size: int | None = None
     """vLLM E2: the attention backend's smallest kernel block, recorded for
     hybrid models so attention slabs can be cut at it (VLLM_E2_STATE_POOL)."""
-    """ Optional override for mamba page size; used by hybrid mamba/attention
-    models to ensure exact alignment with attention page size."""
     skip_page_size_padded: int | None = None
     """Optional override for the page size of layers skipped from KV cache
     quantization (``--kv-cache-dtype-skip-layers``); set during block-size

@@ -961,7 +961,7 @@ class Platform:
                 # For hybrid MLA/Mamba models, make the manager block size a
                 # multiple of 128 so split kernel blocks keep that invariant.
                 kernel_block_alignment_size = max(kernel_block_alignment_size, 128)
-            # vLLM E2: the block attention slabs are cut at (state_pool.py).
+            # vLLM E2: the block attention slabs are cut at (state_pool).
             cache_config.e2_attention_block_size = min(
                 s.base if isinstance(s, MultipleOf) else s
                 for s in backend_cls.get_supported_kernel_block_sizes()
@@ -999,8 +999,8 @@ class Platform:
 
         if cache_config.mamba_cache_mode == "align":
             cache_config.mamba_block_size = cache_config.block_size
-            # vLLM E2: prefix-cache hits at a finer state block (state_pool.py).
-            from vllm.v1.core.state_pool import set_align_state_block
+            # vLLM E2: prefix-cache hits at a finer state block (state_pool).
+            from vllm.v1.core.state_pool.planner import set_align_state_block
 
             set_align_state_block(vllm_config)
 

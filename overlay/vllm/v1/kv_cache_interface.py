@@ -507,7 +507,7 @@ class AttentionSpec(KVCacheSpec):
     token (Whisper block pooling: ``Fraction(1, block_pool_size)``)."""
     e2_natural_block_size: int | None = None
     """vLLM E2: the attention backend's smallest kernel block, carried from the
-    workers to the planner for attention slabs (vllm/v1/core/state_pool.py)."""
+    workers to the planner for attention slabs (vllm/v1/core/state_pool)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -1441,7 +1441,7 @@ class KVCacheTensor:
     offset: int = 0  # byte offset of layers[0]'s block 0
     host_resident: bool = False
     # vLLM E2: blocks of these layers per pool page (>1: attention slabs cut
-    # from state-sized pages, see vllm/v1/core/state_pool.py).
+    # from state-sized pages, see vllm/v1/core/state_pool).
     blocks_per_page: int = 1
 
 
@@ -1508,7 +1508,7 @@ class KVCacheConfig:
 
     slab_tail_blocks: int = 0
     """vLLM E2: attention slab blocks past the last pool page, cut from the
-    planner's leftover memory; never a state (vllm/v1/core/state_pool.py)."""
+    planner's leftover memory; never a state (vllm/v1/core/state_pool)."""
 
     states_per_page: int = 1
     """vLLM E2: request states packed in one pool page (>1: a state slab, whose

@@ -18,14 +18,6 @@ from vllm.v1.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
 )
-from vllm.v1.core.state_pool import (
-    PagePool,
-    allocate_step_blocks,
-    groups_of,
-    slab_blocks_per_page,
-    slab_blocks_to_allocate,
-    step_groups,
-)
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,
@@ -101,43 +93,14 @@ class KVCacheCoordinator(ABC):
         self.scheduler_block_size = scheduler_block_size
         self.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
 
-        # vLLM E2: with attention slabs the pool holds state-sized pages and
-        # the slab groups draw natural-size blocks from them (state_pool.py).
-        blocks_per_page = slab_blocks_per_page(kv_cache_config)
-        self.block_pool = (PagePool if blocks_per_page > 1 else BlockPool)(
+        # vLLM E2: the state pool's coordinator makes its own (state_pool).
+        self.block_pool = self.new_block_pool(
             num_gpu_blocks=kv_cache_config.num_blocks,
             enable_caching=enable_caching,
             hash_block_size=hash_block_size,
             enable_kv_cache_events=enable_kv_cache_events,
             metrics_collector=metrics_collector,
         )
-        self.slab_pool = (
-            self.block_pool.attach_slab(blocks_per_page, kv_cache_config.slab_tail_blocks)
-            if isinstance(self.block_pool, PagePool)
-            else None
-        )
-        # Request states packed several to a page draw slots from a slab too.
-        self.state_slab = (
-            self.block_pool.attach_state_slab(kv_cache_config.states_per_page)
-            if isinstance(self.block_pool, PagePool) and kv_cache_config.states_per_page > 1
-            else None
-        )
-        # What the running requests may still take: slab blocks for their
-        # decode headroom, align-mode boundary states (pages, or slots when
-        # states are packed). Set by the scheduler before admitting, counted
-        # by admission only; a bound until counted exactly (reserve_exact),
-        # over the requests and lookahead in reserve_running. The states'
-        # bound starts from the last count (counted_states) and adds the
-        # align groups whose gap to a boundary (boundary_gaps, sorted) the
-        # horizons' advance since (reserve_advance) has passed.
-        self.slab_reserved_blocks = 0
-        self.reserved_states = 0
-        self.reserve_exact = True
-        self.reserve_running: tuple[list, int] = ([], 0)
-        self.counted_states = 0
-        self.boundary_gaps: list[int] = []
-        self.reserve_advance = 0
-        self.max_model_len = max_model_len
 
         # KV cache group indices that get the EAGLE last-block drop.
         self.eagle_group_ids: set[int] = {
@@ -174,12 +137,7 @@ class KVCacheCoordinator(ABC):
                 kv_cache_spec=kv_cache_group.kv_cache_spec,
                 max_in_flight_tokens=max_in_flight_tokens,
                 max_model_len=max_model_len,
-                block_pool=self.slab_pool
-                if kv_cache_group.blocks_per_page > 1
-                else self.state_slab
-                if self.state_slab is not None
-                and isinstance(kv_cache_group.kv_cache_spec, MambaSpec)
-                else self.block_pool,
+                block_pool=self.group_block_pool(i),
                 role=kv_cache_group.role,
                 enable_caching=enable_caching,
                 kv_cache_group_id=i,
@@ -198,11 +156,6 @@ class KVCacheCoordinator(ABC):
         self.group_block_sizes = tuple(
             manager.block_size for manager in self.single_type_managers
         )
-        # vLLM E2: a step of a request that holds its states skips the
-        # request-constant state groups (state_pool.py).
-        self.constant_state_blocks = None
-        if self.slab_pool is not None:
-            step_groups(self)
 
         # A positive retention interval must be a multiple of the base hit granularity
         # (``scheduler_block_size``) to land on real cache-hit boundaries.
@@ -211,6 +164,26 @@ class KVCacheCoordinator(ABC):
         _validate_prefix_cache_retention_interval(
             self.retention_interval, self.scheduler_block_size, kv_cache_config
         )
+
+    def new_block_pool(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool,
+        metrics_collector: KVCacheMetricsCollector | None,
+    ) -> BlockPool:
+        """The pool, and each group's below (vLLM E2: the state pool's own)."""
+        return BlockPool(
+            num_gpu_blocks=num_gpu_blocks,
+            enable_caching=enable_caching,
+            hash_block_size=hash_block_size,
+            enable_kv_cache_events=enable_kv_cache_events,
+            metrics_collector=metrics_collector,
+        )
+
+    def group_block_pool(self, group_id: int) -> BlockPool:
+        return self.block_pool
 
     def get_num_blocks_to_allocate(
         self,
@@ -257,19 +230,6 @@ class KVCacheCoordinator(ABC):
         num_blocks_to_allocate = 0
         if self.retention_interval != 0:
             prefill_end = 0
-        if self.slab_pool is not None:
-            # vLLM E2: slab groups' blocks count as the pages they take.
-            return slab_blocks_to_allocate(
-                self,
-                request_id,
-                num_tokens,
-                new_computed_blocks,
-                total_computed_tokens,
-                num_local_computed_tokens,
-                num_tokens_main_model,
-                apply_admission_cap,
-                prefill_end,
-            )
         for i, manager in enumerate(self.single_type_managers):
             if isinstance(manager, CrossAttentionManager):
                 # For cross-attention, we issue a single static allocation
@@ -366,11 +326,6 @@ class KVCacheCoordinator(ABC):
             The new allocated blocks.
 
         """
-        if self.constant_state_blocks is not None:
-            # vLLM E2: skip the request-constant state groups once held.
-            return allocate_step_blocks(
-                self, request_id, num_tokens, num_tokens_main_model
-            )
         return tuple(
             manager.allocate_new_blocks(
                 request_id,
@@ -514,12 +469,7 @@ class KVCacheCoordinator(ABC):
                 manager types ignore it.
 
         """
-        for _, manager in (
-            # vLLM E2: skip the request-constant state groups once held.
-            groups_of(self, request_id)
-            if self.constant_state_blocks is not None
-            else enumerate(self.single_type_managers)
-        ):
+        for manager in self.single_type_managers:
             manager.remove_skipped_blocks(
                 request_id, processed_computed_tokens, num_prompt_tokens
             )
@@ -1097,6 +1047,25 @@ def get_kv_cache_coordinator(
     num_prefill_lookahead: int = 0,
     allow_partial_hash_hits: bool = True,
 ) -> KVCacheCoordinator:
+    # vLLM E2: a plan with attention slabs (vllm/v1/core/state_pool).
+    from vllm.v1.core.state_pool.coordinator import make_state_pool_coordinator
+
+    if coordinator := make_state_pool_coordinator(
+        kv_cache_config,
+        max_model_len,
+        max_in_flight_tokens,
+        use_eagle,
+        enable_caching,
+        enable_kv_cache_events,
+        dcp_world_size=dcp_world_size,
+        pcp_world_size=pcp_world_size,
+        scheduler_block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+        metrics_collector=metrics_collector,
+        num_prefill_lookahead=num_prefill_lookahead,
+        allow_partial_hash_hits=allow_partial_hash_hits,
+    ):
+        return coordinator
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(
             kv_cache_config,

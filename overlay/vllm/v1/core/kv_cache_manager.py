@@ -16,11 +16,8 @@ from vllm.v1.core.kv_cache_coordinator import (
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-from vllm.v1.core.state_pool import (
-    count_reserve_exactly,
-    decode_headroom,
-    slab_copy_id_shift,
-)
+from vllm.v1.core.state_pool.admission import count_reserve_exactly, decode_headroom
+from vllm.v1.core.state_pool.coordinator import StatePoolCoordinator
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -525,9 +522,9 @@ class KVCacheManager:
             # First check and fail if the full request sequence won't fit.
             full_num_tokens = min(request.num_tokens, self.max_model_len)
             full_num_slots = full_num_tokens
-            if self.coordinator.slab_pool is not None:
+            if isinstance(self.coordinator, StatePoolCoordinator):
                 # vLLM E2: keep room for the decode ahead and, as the
-                # allocation below does, the lookahead slots (state_pool.py).
+                # allocation below does, the lookahead slots (state_pool).
                 full_num_tokens = min(
                     full_num_tokens + decode_headroom(request), self.max_model_len
                 )
@@ -551,8 +548,10 @@ class KVCacheManager:
                 if required_blocks <= self.block_pool.get_num_free_blocks():
                     break
                 # vLLM E2: a bound on the running requests' reserve is
-                # counted exactly before it refuses a request (state_pool.py).
-                if not count_reserve_exactly(self.coordinator):
+                # counted exactly before it refuses a request (state_pool).
+                if not isinstance(
+                    self.coordinator, StatePoolCoordinator
+                ) or not count_reserve_exactly(self.coordinator):
                     return None
 
         num_tokens_main_model = total_computed_tokens + num_new_tokens
@@ -921,8 +920,12 @@ class KVCacheManager:
             mgr_copies = mgr.take_pending_cow_copies()
             pending_copies.extend(mgr_copies)
             # vLLM E2: attention slab blocks travel past the pages' ids, and
-            # packed states past those (state_pool.py).
-            shift = slab_copy_id_shift(self.coordinator, mgr.block_pool)
+            # packed states past those (state_pool).
+            shift = (
+                self.coordinator.copy_id_shift(mgr.block_pool)
+                if isinstance(self.coordinator, StatePoolCoordinator)
+                else 0
+            )
             copies += [
                 KVCacheBlockCopy(
                     src_block_id=source_block.block_id + shift,

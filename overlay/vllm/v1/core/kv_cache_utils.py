@@ -1112,7 +1112,10 @@ def get_max_concurrency_for_kv_cache_config(
         if group.blocks_per_page > 1:
             # vLLM E2: an attention slab; k of its blocks fill one page.
             num_blocks_per_request += required / group.blocks_per_page
-        elif isinstance(group.kv_cache_spec, MambaSpec) and kv_cache_config.states_per_page > 1:
+        elif (
+            isinstance(group.kv_cache_spec, MambaSpec)
+            and kv_cache_config.states_per_page > 1
+        ):
             # vLLM E2: packed states, m to a page.
             num_blocks_per_request += required / kv_cache_config.states_per_page
         elif group.host_resident:
@@ -2475,7 +2478,7 @@ def update_kv_cache_capacity(
         f"{max_model_len:,}",
         max_concurrency,
     )
-    from vllm.v1.core.state_pool import log_slab_capacity
+    from vllm.v1.core.state_pool.planner import log_slab_capacity
 
     log_slab_capacity(vllm_config, kv_cache_config, max_concurrency)
 
@@ -2838,8 +2841,8 @@ def get_kv_cache_configs(
         )
 
     # vLLM E2: attention at the backend's natural block size, and what every
-    # rank has left below one more page as slab blocks (state_pool.py).
-    from vllm.v1.core.state_pool import cut_attention_slabs
+    # rank has left below one more page as slab blocks (state_pool).
+    from vllm.v1.core.state_pool.planner import cut_attention_slabs
 
     kv_cache_configs = cut_attention_slabs(
         vllm_config,

@@ -27,7 +27,6 @@ from vllm.distributed import (
     cleanup_dist_env_and_memory,
     stateless_destroy_torch_distributed_process_group,
 )
-from vllm.e2 import log_boot_report
 from vllm.envs import enable_envs_cache
 from vllm.logger import configure_logging, init_logger
 from vllm.logging_utils.dump_input import dump_engine_exception
@@ -125,9 +124,6 @@ class EngineCore:
 
         load_general_plugins()
 
-        # vLLM E2: a malformed VLLM_E2_* value is a boot error.
-        envs.validate_e2_switches()
-
         self.vllm_config = vllm_config
         if not vllm_config.parallel_config.data_parallel_rank_local:
             logger.info(
@@ -135,7 +131,14 @@ class EngineCore:
                 VLLM_VERSION,
                 vllm_config,
             )
-            log_boot_report(logger, enabled=envs.VLLM_E2_REPORT)
+        # vLLM E2: the VLLM_E2_* switches checked on every rank (a malformed
+        # value fails the boot), the series reported once a node (vllm/e2.py).
+        from vllm.e2 import check_switches_and_report
+
+        check_switches_and_report(
+            logger,
+            first_local_rank=not vllm_config.parallel_config.data_parallel_rank_local,
+        )
 
         self.log_stats = log_stats
         # Opaque weight version supplied by the caller.

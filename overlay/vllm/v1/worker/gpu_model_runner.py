@@ -146,7 +146,6 @@ from vllm.v1.attention.backends.utils import (
     reorder_batch_to_split_decodes_and_prefills,
 )
 from vllm.v1.core.sched.output import NewRequestData
-from vllm.v1.core.state_pool import slab_num_blocks, state_num_blocks
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
@@ -1226,9 +1225,8 @@ class GPUModelRunner(
                 self.kv_caches,
                 self.kv_cache_config.num_blocks,
                 scheduler_output.kv_cache_block_copies,
-                # vLLM E2: attention slab and packed state copies (state_pool.py).
-                slab_num_blocks(self.kv_cache_config),
-                state_num_blocks(self.kv_cache_config),
+                # vLLM E2: attention slab and packed state copies (state_pool).
+                kv_cache_config=self.kv_cache_config,
             )
 
         # Free the cached encoder outputs.

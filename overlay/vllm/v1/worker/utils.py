@@ -171,13 +171,15 @@ class KVBlockZeroer:
                 dp = kv.data_ptr()
 
                 # vLLM E2: an attention slab (cut at the natural block) counts
-                # k blocks a pool page and a tail past the last (state_pool.py).
+                # k blocks a pool page and a tail past the last (state_pool).
                 slab = spec.e2_natural_block_size == spec.block_size
                 assert slab or kv.shape[0] % num_blocks == 0, (
                     f"{layer_name}: {kv.shape[0]} kernel blocks is not a "
                     f"multiple of {num_blocks} logical blocks"
                 )
-                ratio = spec.block_size // kernel_bs if slab else kv.shape[0] // num_blocks
+                ratio = (
+                    spec.block_size // kernel_bs if slab else kv.shape[0] // num_blocks
+                )
 
                 el = kv.element_size()
                 block_stride_bytes = kv.stride(0) * el
@@ -695,20 +697,25 @@ def copy_kv_cache_blocks_inplace(
     kv_caches: Iterable[torch.Tensor],
     num_blocks: int,
     kv_cache_block_copies: Sequence[KVCacheBlockCopy],
-    slab_num_blocks: int = 0,
-    state_num_blocks: int = 0,
+    kv_cache_config: KVCacheConfig | None = None,
 ) -> None:
     if not kv_cache_block_copies:
         return
-    if slab_num_blocks:
-        # vLLM E2 (state_pool.py): ids past num_blocks are attention slab
-        # blocks, and past those packed states (state_num_blocks of them):
-        # each copied block by block in its views, whose dim 0 counts them;
-        # the rest are pool pages, copied whole as upstream does.
+    # vLLM E2 (state_pool): with attention slabs, ids past num_blocks are
+    # slab blocks, and past those packed states: each copied block by block
+    # in its views, whose dim 0 counts them; the rest are pool pages, copied
+    # whole as upstream does.
+    slab_blocks = state_blocks = 0
+    if kv_cache_config is not None:
+        from vllm.v1.core.state_pool.planner import slab_num_blocks, state_num_blocks
+
+        slab_blocks = slab_num_blocks(kv_cache_config)
+        state_blocks = state_num_blocks(kv_cache_config)
+    if slab_blocks:
         kv_caches = list(kv_caches)
-        kinds = [(num_blocks, slab_num_blocks)]
-        if state_num_blocks:
-            kinds.append((num_blocks + slab_num_blocks, state_num_blocks))
+        kinds = [(num_blocks, slab_blocks)]
+        if state_blocks:
+            kinds.append((num_blocks + slab_blocks, state_blocks))
         for start, count in kinds:
             copies = [
                 KVCacheBlockCopy(c.src_block_id - start, c.dst_block_id - start)

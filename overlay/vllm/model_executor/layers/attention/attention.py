@@ -674,7 +674,7 @@ class Attention(nn.Module, AttentionLayerBase):
                 head_size_v=self.head_size_v,
                 dtype=self.kv_cache_torch_dtype,
                 kv_quant_mode=quant_mode,
-                # vLLM E2: the block attention slabs are cut at (state_pool.py).
+                # vLLM E2: the block attention slabs are cut at (state_pool).
                 e2_natural_block_size=vllm_config.cache_config.e2_attention_block_size,
             )
 

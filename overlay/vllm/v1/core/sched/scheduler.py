@@ -53,7 +53,6 @@ from vllm.v1.core.sched.request_queue import (
     create_request_queue,
 )
 from vllm.v1.core.sched.utils import check_stop, remove_all
-from vllm.v1.core.state_pool import bound_running_reserve, reserve_running_requests
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
@@ -875,9 +874,15 @@ class Scheduler(SchedulerInterface):
         # Next, schedule the WAITING requests.
         # vLLM E2: admission keeps what the running requests may still take,
         # bounded once a step and counted only where the bound would refuse
-        # a request (state_pool.py).
+        # a request (state_pool).
+        from vllm.v1.core.state_pool.admission import (
+            bound_running_reserve,
+            reserve_running_requests,
+        )
+        from vllm.v1.core.state_pool.coordinator import StatePoolCoordinator
+
         coordinator = self.kv_cache_manager.coordinator
-        if coordinator.slab_pool is not None:
+        if isinstance(coordinator, StatePoolCoordinator):
             bound_running_reserve(
                 coordinator,
                 self.running,
@@ -1304,7 +1309,7 @@ class Scheduler(SchedulerInterface):
                 request = request_queue.pop_request()
                 self.deferred_waiting.discard(request)
                 self.running.append(request)
-                if coordinator.slab_pool is not None:
+                if isinstance(coordinator, StatePoolCoordinator):
                     reserve_running_requests(
                         coordinator,
                         [request],

@@ -63,7 +63,6 @@ from vllm.utils.gc_utils import freeze_gc_for_cudagraph_capture
 from vllm.utils.mem_utils import DeviceMemoryProfiler, format_gib
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, async_tensor_h2d
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.core.state_pool import slab_num_blocks, state_num_blocks
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     MambaSpec,
@@ -1232,9 +1231,8 @@ class GPUModelRunner(LoRAModelRunnerMixin):
                 self.kv_caches,
                 self.kv_cache_config.num_blocks,
                 scheduler_output.kv_cache_block_copies,
-                # vLLM E2: attention slab and packed state copies (state_pool.py).
-                slab_num_blocks(self.kv_cache_config),
-                state_num_blocks(self.kv_cache_config),
+                # vLLM E2: attention slab and packed state copies (state_pool).
+                kv_cache_config=self.kv_cache_config,
             )
 
     def gather_batch_req_state(

@@ -119,7 +119,9 @@ class MambaHybridModelState(DefaultModelState):
             # request has no prefix hit: the plan is read by then).
             spec = self._mamba_spec
             state_block = (
-                spec.block_size if spec is not None else self.cache_config.mamba_block_size
+                spec.block_size
+                if spec is not None
+                else self.cache_config.mamba_block_size
             )
             self._mamba_state_idx_gpu[req_index].fill_(
                 (new_req_data.num_computed_tokens - 1) // state_block

@@ -1,0 +1,495 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""vLLM E2 state pool: the plan (attention slabs, packed states, the slab
+tail, `align` mode's state block) and the boot line that reports it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+logger = init_logger(__name__)
+
+
+def config_ineligibility(vllm_config: VllmConfig) -> str | None:
+    """Why this configuration keeps upstream's shared pool whatever the
+    model's groups, or None. Read where the `align` state block is chosen
+    (align_state_block_size) and again when the pool is planned, so both
+    decide alike: features that address every group's blocks by one id
+    space (KV connectors, HiSparse, decode/prefill context parallel) and MLA
+    attention, which the slab does not cut."""
+    from vllm import envs
+
+    if not envs.VLLM_E2_STATE_POOL:
+        return "VLLM_E2_STATE_POOL=0"
+    if vllm_config.kv_transfer_config is not None:
+        return "a KV connector addresses all groups by one block id space"
+    if vllm_config.attention_config.hisparse_config is not None:
+        return "HiSparse"
+    parallel = vllm_config.parallel_config
+    if parallel.decode_context_parallel_size > 1:
+        return "decode context parallel"
+    if getattr(parallel, "prefill_context_parallel_size", 1) > 1:
+        return "prefill context parallel"
+    model_config = vllm_config.model_config
+    if model_config is not None and model_config.use_mla:
+        return "MLA attention"
+    return None
+
+
+def slab_ineligibility(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> str | None:
+    """Why this model keeps upstream's shared pool, or None when it can slab:
+    config_ineligibility, then what only the planned groups tell (hidden-state
+    layers, Mamba mode ``all``, layouts whose blocks hold several layers).
+    """
+    reason = config_ineligibility(vllm_config)
+    if reason is not None:
+        return reason
+    groups = kv_cache_config.kv_cache_groups
+    state = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    attention = [g for g in groups if type(g.kv_cache_spec) is FullAttentionSpec]
+    if not state or not attention:
+        return "not a hybrid attention/state model"
+    if len(state) + len(attention) != len(groups):
+        return "a KV cache group is neither full attention nor Mamba state"
+    modes = {g.kv_cache_spec.mamba_cache_mode for g in state}
+    if not modes <= {"none", "align"}:
+        return f"mamba_cache_mode {'/'.join(sorted(modes))}"
+    if kv_cache_config.kv_cache_groups and any(
+        t.host_resident for t in kv_cache_config.kv_cache_tensors
+    ):
+        return "host-resident KV cache tensors"
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    if layout.is_block_outermost:
+        return f"KV cache layout {layout.name} packs several layers per block"
+    if len({g.kv_cache_spec.block_size for g in attention}) > 1:
+        return "attention groups of different block sizes"
+    natural = natural_block_size(vllm_config, attention)
+    if natural is None:
+        return "the attention backend's natural block size is unknown"
+    for group in attention:
+        spec = group.kv_cache_spec
+        if spec.page_size_padded is not None:
+            return "padded attention pages"
+        if spec.block_size % natural or spec.block_size == natural:
+            return (
+                f"attention block {spec.block_size} is not a multiple of "
+                f"{natural} above it"
+            )
+    return None
+
+
+def natural_block_size(
+    vllm_config: VllmConfig, attention: list[KVCacheGroupSpec]
+) -> int | None:
+    """The backend's smallest kernel block: from the specs the workers sent
+    (set where _align_hybrid_block_size ran), else from this process's cache
+    config (planning in-process, as the capacity probe does)."""
+    sizes = {g.kv_cache_spec.e2_natural_block_size for g in attention}
+    sizes.discard(None)
+    if len(sizes) > 1:
+        return None
+    return sizes.pop() if sizes else vllm_config.cache_config.e2_attention_block_size
+
+
+# In mamba `align` mode a request's state is kept at every state block
+# boundary, and prefix-cache hits land only there.
+ALIGN_STATE_BLOCK_TOKENS = 256
+
+
+def align_state_block_size(vllm_config: VllmConfig, attention_block: int) -> int:
+    """The state block of mamba `align` mode: upstream's is the raised
+    attention block (Qwen3.5-0.8B: 544 tokens); with attention slabs it can be
+    ALIGN_STATE_BLOCK_TOKENS, a multiple of the natural attention block, so
+    prefix hits come at least that often. Settings that keep upstream's pool
+    whatever the layout keep upstream's state block too."""
+    natural = vllm_config.cache_config.e2_attention_block_size
+    if natural is None or config_ineligibility(vllm_config) is not None:
+        return attention_block
+    block = ALIGN_STATE_BLOCK_TOKENS // natural * natural
+    return block if natural <= block < attention_block else attention_block
+
+
+def set_align_state_block(vllm_config: VllmConfig) -> None:
+    """Mamba `align` mode's state block (align_state_block_size) on the cache
+    config, for the worker. Where it is finer than the attention block, the
+    prefix-cache keys are taken every natural attention block, and that is
+    said (prefix_match_unit) rather than left to the groups' GCD: the worker's
+    prefill checkpoints (MambaPrefillCheckpointBuilder) read the unit from the
+    config, the scheduler from the planned groups, and both must agree."""
+    cache_config = vllm_config.cache_config
+    attention_block = cache_config.block_size
+    cache_config.mamba_block_size = align_state_block_size(vllm_config, attention_block)
+    if (
+        cache_config.mamba_block_size != attention_block
+        and cache_config.prefix_match_unit is None
+    ):
+        cache_config.prefix_match_unit = cache_config.e2_attention_block_size
+
+
+def cut_attention_slabs(
+    vllm_config: VllmConfig,
+    kv_cache_configs: list[KVCacheConfig],
+    spare_bytes: list[int],
+) -> list[KVCacheConfig]:
+    """Every rank's plan with attention slabs (cut_attention_slab), and the
+    slab tail the budget's remainder holds on every rank (``spare_bytes``:
+    each rank's memory left below one more page; see slab_tail_blocks)."""
+    packed = [
+        pack_states(vllm_config, cut_attention_slab(vllm_config, c))
+        for c in kv_cache_configs
+    ]
+    configs = [c for c, _ in packed]
+    spare_bytes = [spare + freed for spare, (_, freed) in zip(spare_bytes, packed)]
+    tail = min(
+        (slab_tail_blocks(c, spare) for c, spare in zip(configs, spare_bytes)),
+        default=0,
+    )
+    return [add_slab_tail(c, tail) for c in configs] if tail else configs
+
+
+def cut_attention_slab(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> KVCacheConfig:
+    """Attention groups and tensors at the backend's natural block size.
+
+    A pool page (one state, or ``k`` attention blocks) keeps its bytes; the
+    attention layers' views just see ``k`` times as many blocks of ``1/k`` the
+    size, which is exact for layer-outermost layouts where a page is dense.
+    """
+    reason = slab_ineligibility(vllm_config, kv_cache_config)
+    if reason is not None:
+        if reason != "VLLM_E2_STATE_POOL=0":
+            logger.info_once("E2 state pool off: %s; upstream's shared pool.", reason)
+        return upstream_state_blocks(kv_cache_config)
+    natural = natural_block_size(
+        vllm_config,
+        [
+            g
+            for g in kv_cache_config.kv_cache_groups
+            if type(g.kv_cache_spec) is FullAttentionSpec
+        ],
+    )
+    assert natural is not None
+    groups: list[KVCacheGroupSpec] = []
+    slab_layers: dict[str, int] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            groups.append(group)
+            continue
+        k = spec.block_size // natural
+        groups.append(
+            replace(
+                group,
+                kv_cache_spec=replace(spec, block_size=natural),
+                blocks_per_page=k,
+            )
+        )
+        slab_layers.update((name, k) for name in group.layer_names)
+    tensors = []
+    for tensor in kv_cache_config.kv_cache_tensors:
+        k = {slab_layers.get(name, 1) for name in tensor.layers}
+        assert len(k) == 1, "a tensor mixes attention and state layers"
+        k = k.pop()
+        if k == 1:
+            tensors.append(tensor)
+            continue
+        assert tensor.block_stride % k == 0
+        tensors.append(
+            replace(tensor, block_stride=tensor.block_stride // k, blocks_per_page=k)
+        )
+    return replace(kv_cache_config, kv_cache_groups=groups, kv_cache_tensors=tensors)
+
+
+def upstream_state_blocks(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
+    """A plan refused the slab after align_state_block_size chose a finer
+    state block than the attention block (a refusal only the planned groups
+    show): the `align` state groups get upstream's block back, the attention
+    block, so the pool is upstream's in full (its scheduler block, hash size
+    and prefix-hit points). Both runners read the state block from the plan."""
+    groups = kv_cache_config.kv_cache_groups
+    attention = {
+        g.kv_cache_spec.block_size
+        for g in groups
+        if not isinstance(g.kv_cache_spec, MambaSpec)
+    }
+    if len(attention) != 1:
+        return kv_cache_config
+    (block,) = attention
+    if not any(
+        isinstance(g.kv_cache_spec, MambaSpec)
+        and g.kv_cache_spec.mamba_cache_mode == "align"
+        and g.kv_cache_spec.block_size != block
+        for g in groups
+    ):
+        return kv_cache_config
+    logger.info_once(
+        "E2 state pool off: `align` states back at the %d-token block.", block
+    )
+    return replace(
+        kv_cache_config,
+        kv_cache_groups=[
+            replace(g, kv_cache_spec=replace(g.kv_cache_spec, block_size=block))
+            if isinstance(g.kv_cache_spec, MambaSpec)
+            and g.kv_cache_spec.mamba_cache_mode == "align"
+            else g
+            for g in groups
+        ],
+    )
+
+
+# A state padded to whole attention blocks wastes up to a block per state
+# (Qwen3.5-0.8B: 1,085,440 bytes in a 1,114,112-byte page, 2.6%); states packed
+# a few to a page share that padding. Pages grow by the same factor, so the
+# fewest states per page whose padding is at most STATE_PAGE_SLACK of a page.
+STATE_PAGE_SLACK = 0.01
+STATES_PER_PAGE = (1, 2, 4, 8)
+# Bytes between packed states are a multiple of this: the state views' rows
+# stay aligned for the kernels' vector loads, as upstream's padded pages are.
+STATE_STRIDE_ALIGNMENT = 256
+
+
+def states_per_page(state_bytes: int, block_bytes: int) -> tuple[int, int]:
+    """States packed in one pool page of whole ``block_bytes`` attention
+    blocks, and that page's bytes: the fewest of STATES_PER_PAGE that pad at
+    most STATE_PAGE_SLACK of the page, else the least padding (1 is
+    upstream's page)."""
+    pages: dict[int, int] = {}
+    for m in STATES_PER_PAGE:
+        page = cdiv(m * state_bytes, block_bytes) * block_bytes
+        if m == 1 or page % (m * STATE_STRIDE_ALIGNMENT) == 0:
+            pages[m] = page
+    padding = {m: 1 - m * state_bytes / page for m, page in pages.items()}
+    m = next(
+        (m for m, waste in padding.items() if waste <= STATE_PAGE_SLACK),
+        min(padding, key=padding.__getitem__),
+    )
+    return m, pages[m]
+
+
+def pack_states(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[KVCacheConfig, int]:
+    """A slab plan with request states packed ``states_per_page`` to a page,
+    and the bytes that frees below one more page (the slab tail's to take).
+
+    The layer regions keep their bytes: they hold fewer, larger pages, each
+    ``m`` states at a stride of ``page / m`` or ``k`` attention blocks. A plan
+    keeps its pages where the new ones would hold no more states (a pool of a
+    few pages, or a state that fills its blocks) and under
+    ``num_gpu_blocks_override``, whose count is of pages as planned.
+    """
+    k = slab_blocks_per_page(kv_cache_config)
+    regions = _layer_regions(kv_cache_config) if k > 1 else None
+    groups = kv_cache_config.kv_cache_groups
+    state_bytes = {
+        g.kv_cache_spec.real_page_size_bytes
+        for g in groups
+        if isinstance(g.kv_cache_spec, MambaSpec)
+    }
+    if (
+        regions is None
+        or len(state_bytes) != 1
+        or vllm_config.cache_config.num_gpu_blocks_override is not None
+    ):
+        return kv_cache_config, 0
+    pages_bytes, block_bytes, layer_slots = regions
+    (state,) = state_bytes
+    m, page = states_per_page(state, block_bytes)
+    if any(
+        g.kv_cache_spec.mamba_cache_mode == "align"
+        for g in groups
+        if isinstance(g.kv_cache_spec, MambaSpec)
+    ):
+        # In `align` mode states are prefix-cached: one a page keeps them in
+        # the page pool's LRU order, where a state slab would hand out a
+        # cached slot before taking a free page (stock's prefix hits at
+        # 10 GiB: 17% packed, see the patch message).
+        m, page = 1, cdiv(state, block_bytes) * block_bytes
+    num_pages = pages_bytes // page
+    # m == 1 repacks too where upstream's page is more than whole blocks
+    # (the CPU backend aligns hybrid blocks to 128 tokens, not 16).
+    if num_pages * m <= kv_cache_config.num_blocks:
+        return kv_cache_config, 0
+    blocks_per_page, stride = page // block_bytes, page // m
+    # The worker tells the two kinds of copy apart by their views' block
+    # counts, which differ while a page holds more blocks than states.
+    assert blocks_per_page > m
+    region = num_pages * page
+    packed_groups = [
+        replace(g, blocks_per_page=blocks_per_page)
+        if g.blocks_per_page > 1
+        else replace(g, kv_cache_spec=replace(g.kv_cache_spec, page_size_padded=stride))
+        for g in groups
+    ]
+    tensors = [
+        replace(
+            t,
+            layer_stride=region,
+            size=layer_slots * region,
+            **(
+                {"blocks_per_page": blocks_per_page}
+                if t.blocks_per_page > 1
+                else {"block_stride": stride}
+            ),
+        )
+        for t in kv_cache_config.kv_cache_tensors
+    ]
+    packed = replace(
+        kv_cache_config,
+        num_blocks=num_pages,
+        kv_cache_groups=packed_groups,
+        kv_cache_tensors=tensors,
+        states_per_page=m,
+    )
+    return packed, (pages_bytes - region) * layer_slots
+
+
+def add_slab_tail(kv_cache_config: KVCacheConfig, tail: int) -> KVCacheConfig:
+    """``tail`` slab blocks past the last page: every layer's region grows by
+    them, so the regions of all groups still overlay page for page, and the
+    states, which never reach past the last page, keep their bytes."""
+    regions = _layer_regions(kv_cache_config)
+    assert regions is not None
+    pages_bytes, block_bytes, layer_slots = regions
+    region = pages_bytes + tail * block_bytes
+    return replace(
+        kv_cache_config,
+        kv_cache_tensors=[
+            replace(t, layer_stride=region, size=layer_slots * region)
+            for t in kv_cache_config.kv_cache_tensors
+        ],
+        slab_tail_blocks=tail,
+    )
+
+
+def slab_tail_blocks(kv_cache_config: KVCacheConfig, spare_bytes: int) -> int:
+    """Slab blocks the budget's remainder holds past the last page. The
+    planner floors the budget to whole pages, which leaves up to a page in
+    every layer's region idle (Qwen3.5-27B, fp8 KV, 10 GiB: 96 of a page's 98
+    blocks). Tail blocks stay with the slab for good, never a state, so there
+    are fewer than a page's ``k``; layouts other than each layer's pages back
+    to back from byte 0 keep none."""
+    k = slab_blocks_per_page(kv_cache_config)
+    regions = _layer_regions(kv_cache_config) if k > 1 and spare_bytes > 0 else None
+    if regions is None:
+        return 0
+    _, block_bytes, layer_slots = regions
+    return min(k - 1, spare_bytes // (layer_slots * block_bytes))
+
+
+def _layer_regions(kv_cache_config: KVCacheConfig) -> tuple[int, int, int] | None:
+    """(bytes of a layer region's pages, bytes of a slab block, layer regions) of
+    a slab plan whose every layer region is its pages back to back from byte 0;
+    None for any other layout."""
+    tensors = kv_cache_config.kv_cache_tensors
+    k = slab_blocks_per_page(kv_cache_config)
+    if not tensors:
+        return None
+    pages_bytes = tensors[0].layer_stride
+    if pages_bytes % (kv_cache_config.num_blocks * k) or any(
+        t.offset or t.layer_stride != pages_bytes or t.size % pages_bytes
+        for t in tensors
+    ):
+        return None
+    block_bytes = pages_bytes // kv_cache_config.num_blocks // k
+    return pages_bytes, block_bytes, tensors[0].size // pages_bytes
+
+
+def slab_num_blocks(kv_cache_config: KVCacheConfig) -> int:
+    """The attention slab's blocks, tail included (0: upstream's pool)."""
+    k = slab_blocks_per_page(kv_cache_config)
+    if k == 1:
+        return 0
+    return kv_cache_config.num_blocks * k + kv_cache_config.slab_tail_blocks
+
+
+def state_num_blocks(kv_cache_config: KVCacheConfig) -> int:
+    """The packed states (0: a state takes a page, or upstream's pool)."""
+    m = kv_cache_config.states_per_page
+    return kv_cache_config.num_blocks * m if m > 1 else 0
+
+
+def log_slab_capacity(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, max_concurrency: float
+) -> None:
+    """The boot line's E2 companion: attention tokens and request states, each
+    true on its own, and the concurrency that counts both."""
+    k = slab_blocks_per_page(kv_cache_config)
+    if k == 1:
+        return
+    usable = kv_cache_config.num_blocks - 1  # page 0 is the null page
+    held_pages, peak_pages = request_state_pages(vllm_config, kv_cache_config)
+    natural = page_bytes = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        page_bytes = max(
+            page_bytes,
+            len(group.layer_names) * spec.page_size_bytes * group.blocks_per_page,
+        )
+        if group.blocks_per_page > 1:
+            natural = spec.block_size
+    # Every slab block but those of page 0, the null page.
+    attention_tokens = (slab_num_blocks(kv_cache_config) - k) * natural
+    peak = (
+        f" ({peak_pages} while it crosses an align boundary)"
+        if peak_pages > held_pages
+        else ""
+    )
+    m = kv_cache_config.states_per_page
+    logger.info_once(
+        "vLLM E2 state pool: %s pages of %.2f MiB; attention up to %s tokens "
+        "(%d-token blocks, %d per page); request state %d %s%s, at most %s "
+        "requests; maximum concurrency for %s tokens per request: %.2fx "
+        "(state and attention counted)",
+        f"{usable:,}",
+        page_bytes / (1 << 20),
+        f"{attention_tokens:,}",
+        natural,
+        k,
+        held_pages,
+        "pages" if m == 1 else f"states ({m} per page)",
+        peak,
+        f"{usable * m // max(held_pages, 1):,}",
+        f"{vllm_config.model_config.max_model_len:,}",
+        max_concurrency,
+    )
+
+
+def request_state_pages(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[int, int]:
+    """States one request takes, each a pool page unless packed: while it
+    runs (one per state group, and its speculative ones), and at most
+    (`align` mode's boundary step holds one more per group for a step, which
+    upstream's max_memory_usage_bytes counts)."""
+    held = peak = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            held += 1 + spec.num_speculative_blocks
+            peak += cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
+    return held, peak
+
+
+def slab_blocks_per_page(kv_cache_config: KVCacheConfig) -> int:
+    """Attention blocks per pool page (1: upstream's shared pool)."""
+    sizes = {g.blocks_per_page for g in kv_cache_config.kv_cache_groups}
+    sizes.discard(1)
+    assert len(sizes) <= 1, "attention groups cut pages differently"
+    return sizes.pop() if sizes else 1
