@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    console.tolerate_encoding()
     args = build_parser().parse_args(argv)
     cache = Cache.at(args.cache)
     try:

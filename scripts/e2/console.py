@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
+import io
+import sys
 from collections.abc import Iterator
 
 from rich.console import Console
@@ -18,6 +21,15 @@ from rich.progress import (
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
+
+
+def tolerate_encoding() -> None:
+    """On a terminal whose encoding lacks a character e2 prints (a title's dash, a
+    spinner), write a stand-in instead of failing: the work is done either way."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.encoding and \
+                codecs.lookup(stream.encoding).name != "utf-8":
+            stream.reconfigure(errors="replace")
 
 
 def info(message: str) -> None:
