@@ -24,6 +24,7 @@ from e2.gitops import (
     clone_worktree,
     commit_diff,
     commit_summary,
+    corrupt_files,
     git_am,
     open_worktree,
     parse_hunks,
@@ -159,6 +160,7 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
         with console.status(f"checking out {series.upstream.tag} into {dest}"):
             repo = clone_worktree(upstream.cache.repo_dir, staging, series.upstream.tag,
                                   _touched_paths(project, patches) if sparse else None)
+        _refuse_damaged(repo, upstream, series)
         checkpoint("apply-cloned")
         failed: E2Error | None = None
         try:
@@ -188,6 +190,17 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
                       hint="re-export them from a worktree (e2 apply; e2 export) so their "
                            "context matches upstream")
     return tree
+
+
+def _refuse_damaged(repo: git.Repo, upstream: UpstreamOptions, series: Series) -> None:
+    damaged = corrupt_files(repo)
+    if damaged:
+        where = upstream.cache.repo_dir
+        raise E2Error(f"the cache's upstream repo {where} is damaged: "
+                      f"{', '.join(damaged[:3])}{' ...' if len(damaged) > 3 else ''} of "
+                      f"{series.upstream.tag} do not match their object ids",
+                      hint=f"remove {where} and run the command again (the pinned release "
+                           "is imported anew)")
 
 
 class ScratchTree:

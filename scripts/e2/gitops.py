@@ -110,6 +110,25 @@ def clone_worktree(cache_repo: Path, dest: Path, tag: str,
     return repo
 
 
+def corrupt_files(repo: git.Repo) -> list[str]:
+    """Checked-out files whose bytes do not hash to the blob id their tree names: a
+    damaged object in the repo they came from (git does not check on checkout)."""
+    assert repo.working_tree_dir is not None  # a worktree e2 just checked out
+    entries = []
+    for row in repo.git.ls_files("-s", "-z").split("\x00"):
+        if row:
+            info, path = row.split("\t", 1)
+            mode, sha = info.split()[:2]
+            if mode in ("100644", "100755") and Path(repo.working_tree_dir, path).is_file():
+                entries.append((path, sha))
+    if not entries:
+        return []
+    hashed = subprocess.run(["git", "hash-object", "--no-filters", "--stdin-paths"],
+                            input="\n".join(p for p, _ in entries) + "\n", text=True,
+                            cwd=repo.working_tree_dir, capture_output=True, check=True)
+    return [path for (path, sha), got in zip(entries, hashed.stdout.split()) if got != sha]
+
+
 def open_worktree(path: Path) -> git.Repo:
     if not path.exists():
         raise E2Error(f"no worktree at {path}", hint="create one with: e2 apply")
