@@ -185,6 +185,33 @@ class KVCacheCoordinator(ABC):
     def group_block_pool(self, group_id: int) -> BlockPool:
         return self.block_pool
 
+    # vLLM E2: what the state pool's coordinator adds to admission (no-ops
+    # here): room for the decode ahead, and for what running requests may
+    # still take, bounded each step and counted exactly before a refusal.
+    def admission_tokens(
+        self, request: Request, num_tokens: int, num_lookahead_tokens: int
+    ) -> tuple[int, int]:
+        """The tokens a request's admission counts, and their slots."""
+        return num_tokens, num_tokens
+
+    def recount_admission_reserve(self) -> bool:
+        """Whether a refused admission is worth counting again."""
+        return False
+
+    def bound_admission_reserve(
+        self, running: list[Request], lookahead_tokens: int, tokens_per_step: int
+    ) -> None:
+        """Bound, once a step, what the running requests may still take."""
+        return
+
+    def reserve_for_admitted(self, request: Request, lookahead_tokens: int) -> None:
+        """Add an admitted request's share to that reserve."""
+        return
+
+    def copy_id_shift(self, block_pool: BlockPool) -> int:
+        """What block ids of ``block_pool`` travel to the worker shifted by."""
+        return 0
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,

@@ -16,8 +16,6 @@ from vllm.v1.core.kv_cache_coordinator import (
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-from vllm.v1.core.state_pool.admission import count_reserve_exactly, decode_headroom
-from vllm.v1.core.state_pool.coordinator import StatePoolCoordinator
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -521,16 +519,11 @@ class KVCacheManager:
         if full_sequence_must_fit:
             # First check and fail if the full request sequence won't fit.
             full_num_tokens = min(request.num_tokens, self.max_model_len)
-            full_num_slots = full_num_tokens
-            if isinstance(self.coordinator, StatePoolCoordinator):
-                # vLLM E2: keep room for the decode ahead and, as the
-                # allocation below does, the lookahead slots (state_pool).
-                full_num_tokens = min(
-                    full_num_tokens + decode_headroom(request), self.max_model_len
-                )
-                full_num_slots = min(
-                    full_num_tokens + num_lookahead_tokens, self.max_model_len
-                )
+            # vLLM E2: the state pool keeps room for the decode ahead and, as
+            # the allocation below does, the lookahead slots.
+            full_num_tokens, full_num_slots = self.coordinator.admission_tokens(
+                request, full_num_tokens, num_lookahead_tokens
+            )
 
             while True:
                 num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
@@ -549,9 +542,7 @@ class KVCacheManager:
                     break
                 # vLLM E2: a bound on the running requests' reserve is
                 # counted exactly before it refuses a request (state_pool).
-                if not isinstance(
-                    self.coordinator, StatePoolCoordinator
-                ) or not count_reserve_exactly(self.coordinator):
+                if not self.coordinator.recount_admission_reserve():
                     return None
 
         num_tokens_main_model = total_computed_tokens + num_new_tokens
@@ -921,11 +912,7 @@ class KVCacheManager:
             pending_copies.extend(mgr_copies)
             # vLLM E2: attention slab blocks travel past the pages' ids, and
             # packed states past those (state_pool).
-            shift = (
-                self.coordinator.copy_id_shift(mgr.block_pool)
-                if isinstance(self.coordinator, StatePoolCoordinator)
-                else 0
-            )
+            shift = self.coordinator.copy_id_shift(mgr.block_pool)
             copies += [
                 KVCacheBlockCopy(
                     src_block_id=source_block.block_id + shift,

@@ -723,6 +723,7 @@ def copy_kv_cache_blocks_inplace(
                 if start <= c.src_block_id < start + count
             ]
             views = [cache for cache in kv_caches if cache.shape[0] == count]
+            assert views or not copies, f"no KV cache view of {count} blocks"
             copy_kv_cache_blocks_inplace(views, count, copies)
         kv_cache_block_copies = [
             c for c in kv_cache_block_copies if c.src_block_id < num_blocks

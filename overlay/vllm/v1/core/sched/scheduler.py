@@ -437,9 +437,16 @@ class Scheduler(SchedulerInterface):
         if start >= prefill_end:
             return num_new_tokens
 
-        # vLLM E2: the scheduler block (the groups' LCM), a multiple of the state
-        # block; cache_config.block_size is the finest group's (attention).
-        block_size = self.block_size
+        # vLLM E2: the plan's state block; cache_config.block_size is the
+        # finest group's (attention) under VLLM_E2_STATE_POOL.
+        block_size = next(
+            (
+                group.kv_cache_spec.block_size
+                for group in self.kv_cache_config.kv_cache_groups
+                if isinstance(group.kv_cache_spec, MambaSpec)
+            ),
+            self.cache_config.block_size,
+        )
         # The last block-aligned position whose state can be cached. With
         # Eagle, FullAttn prunes the last matching block, so back off one
         # block to avoid a Mamba cache miss.
@@ -873,22 +880,10 @@ class Scheduler(SchedulerInterface):
 
         # Next, schedule the WAITING requests.
         # vLLM E2: admission keeps what the running requests may still take,
-        # bounded once a step and counted only where the bound would refuse
-        # a request (state_pool).
-        from vllm.v1.core.state_pool.admission import (
-            bound_running_reserve,
-            reserve_running_requests,
+        # bounded once a step (the state pool's coordinator; upstream's: none).
+        self.kv_cache_manager.coordinator.bound_admission_reserve(
+            self.running, self.num_lookahead_tokens, 1 + self.num_spec_tokens
         )
-        from vllm.v1.core.state_pool.coordinator import StatePoolCoordinator
-
-        coordinator = self.kv_cache_manager.coordinator
-        if isinstance(coordinator, StatePoolCoordinator):
-            bound_running_reserve(
-                coordinator,
-                self.running,
-                lookahead_tokens=self.num_lookahead_tokens,
-                tokens_per_step=1 + self.num_spec_tokens,
-            )
         if not preempted_reqs and self._pause_state == PauseState.UNPAUSED:
             step_skipped_waiting: deque[Request] = deque()
             step_skipped_kv_holding: deque[Request] = deque()
@@ -1309,13 +1304,9 @@ class Scheduler(SchedulerInterface):
                 request = request_queue.pop_request()
                 self.deferred_waiting.discard(request)
                 self.running.append(request)
-                if isinstance(coordinator, StatePoolCoordinator):
-                    reserve_running_requests(
-                        coordinator,
-                        [request],
-                        add=True,
-                        lookahead_tokens=self.num_lookahead_tokens,
-                    )
+                self.kv_cache_manager.coordinator.reserve_for_admitted(
+                    request, self.num_lookahead_tokens
+                )
                 if num_external_computed_tokens > 0:
                     # load_kv_async is False here
                     has_sync_kv_loads = True

@@ -23,10 +23,17 @@ from vllm.v1.core.kv_cache_coordinator import (
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
-from vllm.v1.core.state_pool.admission import align_boundary_states
+from vllm.v1.core.state_pool.admission import (
+    align_boundary_states,
+    bound_running_reserve,
+    count_reserve_exactly,
+    decode_headroom,
+    reserve_running_requests,
+)
 from vllm.v1.core.state_pool.planner import slab_blocks_per_page
 from vllm.v1.core.state_pool.pools import PagePool, SlabPool
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
+from vllm.v1.request import Request
 
 
 def request_constant(manager: SingleTypeKVCacheManager, max_model_len: int) -> bool:
@@ -122,6 +129,25 @@ class StatePoolCoordinator(KVCacheCoordinator):
         if self.state_slab is not None and isinstance(group.kv_cache_spec, MambaSpec):
             return self.state_slab
         return self.block_pool
+
+    def admission_tokens(
+        self, request: Request, num_tokens: int, num_lookahead_tokens: int
+    ) -> tuple[int, int]:
+        num_tokens = min(num_tokens + decode_headroom(request), self.max_model_len)
+        return num_tokens, min(num_tokens + num_lookahead_tokens, self.max_model_len)
+
+    def recount_admission_reserve(self) -> bool:
+        return count_reserve_exactly(self)
+
+    def bound_admission_reserve(
+        self, running: list[Request], lookahead_tokens: int, tokens_per_step: int
+    ) -> None:
+        bound_running_reserve(self, running, lookahead_tokens, tokens_per_step)
+
+    def reserve_for_admitted(self, request: Request, lookahead_tokens: int) -> None:
+        reserve_running_requests(
+            self, [request], add=True, lookahead_tokens=lookahead_tokens
+        )
 
     def reset_prefix_cache(self) -> bool:
         # The page pool resets its slabs: once, and one AllBlocksCleared.

@@ -46,6 +46,10 @@ def config_ineligibility(vllm_config: VllmConfig) -> str | None:
     model_config = vllm_config.model_config
     if model_config is not None and model_config.use_mla:
         return "MLA attention"
+    if not vllm_config.scheduler_config.scheduler_reserve_full_isl:
+        # Admission counts the decode ahead only where the whole prompt must
+        # fit; chunk by chunk, upstream's coarse block's slack would be lost.
+        return "admission chunk by chunk (scheduler_reserve_full_isl off)"
     return None
 
 
