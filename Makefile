@@ -14,7 +14,7 @@ E2_TEST_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/vllm-e2-tests
 
 .PHONY: install verify overlay render image pin base-cpu test lint test-driver test-image test-env seam \
 	upstream-tests validate probe-cpu capacity-baseline probe-gpu bench bench-driver \
-	bench-scheduler
+	bench-scheduler drift
 
 # pip install -e, skipped while $(PYTHON) already imports e2 from this checkout
 # and pyproject.toml is older than the last install (keeps `make image` quick).
@@ -117,3 +117,8 @@ bench-driver: install
 # soak (BENCH_SCHEDULER_ARGS, e.g. --soak-requests 2000).
 bench-scheduler: install
 	$(PYTHON) scripts/bench/bench_scheduler.py $(BENCH_SCHEDULER_ARGS)
+
+# A rebase dry run onto every release on the package index newer than the pin:
+# one report each in docs/drift/, one summary line per release (docs/drift/README.md).
+drift: install
+	$(E2) drift

@@ -19,7 +19,6 @@ from e2.fsio import write_atomic
 from e2.options import DriftOptions, GlobalOptions
 from e2.rebase import resolve_target
 from e2.rebase.dryrun import dry_run
-from e2.series import RELEASE_VERSION
 from e2.upstream import index_files
 
 
@@ -36,6 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run, options=DriftOptions)
 
 
+FINAL_RELEASE = re.compile(r"^[0-9]+(\.[0-9]+)+$")  # no pre, post or dev releases
+
+
 def version_key(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split("."))
 
@@ -44,16 +46,18 @@ def newer_releases(project: str, pinned: str) -> list[str]:
     """Releases of ``project`` with an sdist on the index, newer than ``pinned``."""
     pattern = re.compile(rf"^{re.escape(project)}-(.+)\.tar\.gz$")
     found = {m.group(1) for entry in index_files(project)
-             if (m := pattern.match(entry["filename"])) and RELEASE_VERSION.match(m.group(1))}
+             if (m := pattern.match(entry["filename"])) and FINAL_RELEASE.match(m.group(1))}
     return sorted((v for v in found if version_key(v) > version_key(pinned)), key=version_key)
 
 
 def run(options: GlobalOptions, request: DriftOptions) -> int:
     series = options.project.load()
     pinned = series.upstream.version
+    if not FINAL_RELEASE.match(pinned):
+        raise E2Error(f"the pin {pinned} is not a final release: e2 drift compares X.Y.Z")
     releases = list(request.release or newer_releases(series.upstream.project, pinned))
     for version in releases:
-        if not RELEASE_VERSION.match(version) or version_key(version) <= version_key(pinned):
+        if not FINAL_RELEASE.match(version) or version_key(version) <= version_key(pinned):
             raise E2Error(f"--release {version}: not a release newer than the pinned {pinned}")
     folder = request.report or options.project.root / "docs" / "drift"
     if not releases:

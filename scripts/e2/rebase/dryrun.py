@@ -66,10 +66,17 @@ def dry_run(project: Project, series: Series, target: Upstream, upstream: Upstre
 def hot_spots(repo: git.Repo, state: RebaseState) -> list[HotSpot]:
     old_tag, new_tag = state.source["tag"], state.target["tag"]
     spots: list[HotSpot] = []
+    owner: dict[str, str] = {}  # file -> the last patch that changes it
     for patch in state.patches:
         if patch.old_commit:
             spots += functions_touched(repo, patch, old_tag, new_tag)[0]
-    return spots + check_files(repo, new_tag, old_tag)
+            for file in repo.git.diff("--name-only", f"{patch.old_commit}^",
+                                      patch.old_commit).split():
+                owner[file] = patch.id
+    for spot in check_files(repo, new_tag, old_tag):
+        spot.patch = owner.get(spot.file, "")
+        spots.append(spot)
+    return spots
 
 
 def _go_on(repo: git.Repo, state: RebaseState, current: PatchState) -> None:

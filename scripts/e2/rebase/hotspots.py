@@ -183,8 +183,10 @@ def _check_import(repo: git.Repo, file: str, node: ast.ImportFrom, ours: bool,
                 spots += _signature(repo, file, node, alias.name, source_path, old_tag,
                                     new_tag)
             continue
+        homes = defined_in(repo, alias.name, source_path)
+        where = f" (defined in {', '.join(homes[:2])})" if homes else ""
         spots.append(HotSpot(SpotKind.MISSING_NAME, "", file, node.lineno,
-                             f"{module} has no {alias.name}"))
+                             f"{module} has no {alias.name}{where}"))
     return spots
 
 

@@ -30,6 +30,9 @@ def classify_conflicts(repo: git.Repo, current: PatchState, conflicts: list[Conf
     for conflict in conflicts:
         if conflict.deleted_upstream:
             conflict.replaced_by = moved.successor_file(repo, current, conflict.file, old_tag)
+            numstat = repo.git.diff("--numstat", f"{current.old_commit}^", current.old_commit,
+                                    "--", conflict.file).split()
+            conflict.patch_lines = int(numstat[0]) if numstat and numstat[0].isdigit() else 0
             continue
         for hunk in conflict.hunks:
             classify(repo, current, conflict.file, hunk)

@@ -154,10 +154,14 @@ def successor_file(repo: git.Repo, current: PatchState, file: str,
     before = show(repo, f"{current.old_commit}^", file) or ""
     diff = repo.git.diff("-U0", f"{current.old_commit}^", current.old_commit, "--", file)
     lines = before.splitlines()
-    names: list[str] = []
+    votes: Counter[str] = Counter()
     for match in re.finditer(r"^@@ -(\d+)", diff, re.MULTILINE):
-        names += enclosing_names(lines, max(int(match.group(1)) - 1, 0))[:1]
-    votes = Counter(t for name in set(names) for t in defined_in(repo, name, file))
+        # each change votes for where the innermost definition around it went
+        for name in enclosing_names(lines, max(int(match.group(1)) - 1, 0)):
+            homes = [] if name.startswith("__") else defined_in(repo, name, file)
+            if homes:
+                votes[homes[0]] += 1
+                break
     if votes:
         return votes.most_common(1)[0][0]
     added = repo.git.diff("--name-only", "--diff-filter=A", f"refs/tags/{old_tag}",

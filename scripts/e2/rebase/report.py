@@ -88,7 +88,8 @@ def summary_line(state: RebaseState, spots: list[HotSpot], finished: bool) -> st
     stuck = [p.id for p in state.patches if p.status == PatchStatus.CONFLICT]
     if not hunks and not deleted and not stops and finished:
         return f"clean: {len(state.patches)} patches apply, {len(spots)} hot spot(s) to review"
-    size = sum(len(h.theirs) for h in hunks if not h.proposal)
+    size = (sum(len(h.theirs) for h in hunks if not h.proposal)
+            + sum(c.patch_lines for c in deleted))
     parts = [f"{len(hunks)} conflicting hunk(s)", f"{proposals} proposal(s)",
              f"{overlaps} without one (real overlap, moved or deleted code)"]
     if deleted:

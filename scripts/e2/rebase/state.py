@@ -112,6 +112,7 @@ class Conflict:
     verdicts: list[HunkVerdict] = field(default_factory=list)
     deleted_upstream: bool = False           # modify/delete: no markers, no hunks
     replaced_by: str | None = None           # for a deleted file: the likeliest successor
+    patch_lines: int = 0                     # for a deleted file: the lines the patch adds there
 
 
 @dataclass
