@@ -4,6 +4,7 @@ overlay, verify, test and rebase; the verb is commands/apply.py)."""
 from __future__ import annotations
 
 import difflib
+import errno
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -16,7 +17,15 @@ from e2 import console
 from e2.errors import E2Error
 from e2.export import format_patches
 from e2.faults import checkpoint
-from e2.fsio import read_tree, recover_dir, remove_aside, staging_paths
+from e2.fsio import (
+    NoSpace,
+    no_space,
+    read_tree,
+    recover_dir,
+    remove_aside,
+    space_named,
+    staging_paths,
+)
 from e2.gitops import (
     AM_FELL_BACK,
     DIFF_FLAGS,
@@ -27,6 +36,7 @@ from e2.gitops import (
     corrupt_files,
     git_am,
     open_worktree,
+    out_of_space,
     parse_hunks,
     patch_id,
     refs_not_from,
@@ -155,7 +165,8 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
                                "pass --force to replace it, or choose another --out")
         _check_replaceable(project, dest, upstream.cache.repo_dir)
     staging, _ = staging_paths(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    with space_named(dest.parent):
+        dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         with console.status(f"checking out {series.upstream.tag} into {dest}"):
             repo = clone_worktree(upstream.cache.repo_dir, staging, series.upstream.tag,
@@ -165,12 +176,18 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
         failed: E2Error | None = None
         try:
             merged = _apply_patches(repo, project, patches, series)
+        except NoSpace:
+            raise
         except E2Error as exc:  # the worktree stays at the last patch that applied, to fix it
             failed = exc
         write_record(repo, (project.patch_path(p).read_bytes() for p in patches))
         checkpoint("apply-applied")
-    except BaseException:  # interrupted: leave the destination as it was
+    except BaseException as exc:  # interrupted or failed: leave the destination as it was
+        # judged before the staging dir goes, which frees what the disk had left
+        full = _for_want_of_space(exc, staging)
         shutil.rmtree(staging, ignore_errors=True)
+        if full:
+            raise no_space(dest) from None
         raise
     _move_into_place(staging, dest)
     if failed is not None:
@@ -190,6 +207,18 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
                       hint="re-export them from a worktree (e2 apply; e2 export) so their "
                            "context matches upstream")
     return tree
+
+
+def _for_want_of_space(exc: BaseException, staging: Path) -> bool:
+    """Whether building the worktree in ``staging`` failed because its disk is full
+    (git seldom says so: a failed checkout or index write names no cause)."""
+    if isinstance(exc, NoSpace):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOSPC
+    if isinstance(exc, git.GitCommandError):
+        return out_of_space(f"{exc.stderr}\n{exc.stdout}", staging)
+    return False
 
 
 def _refuse_damaged(repo: git.Repo, upstream: UpstreamOptions, series: Series) -> None:
@@ -333,6 +362,9 @@ def _apply_patches(repo: git.Repo, project: Project, patches: list[Patch],
         returncode, output = git_am(repo, [project.patch_path(p) for p in patches], follow)
         progress.update(task, completed=current + 1 if returncode == 0 else current)
     if returncode != 0:
+        if out_of_space("\n".join(output), Path(repo.git_dir)):
+            # a write that failed, not a patch: nothing to describe or keep
+            raise no_space(str(repo.working_tree_dir))
         failed = patches[max(current, 0)]
         repo.git.am("--quit")
         repo.git.reset("-q", "--hard", "HEAD")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import sys
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from e2.commands import (
     verify,
 )
 from e2.errors import E2Error
+from e2.fsio import no_space
 from e2.gitops import GIT_MISSING, GIT_MISSING_HINT, require_git
 from e2.options import GlobalOptions
 from e2.series import Project
@@ -87,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _report("interrupted", None, 130)
     except OSError as exc:
-        # a read-only checkout, a full disk, a file where a folder should be
+        if exc.errno == errno.ENOSPC:  # one line naming the disk that is full
+            return _report(no_space(exc.filename).message, None, 1)
+        # a read-only checkout, a file where a folder should be
         return _report(crash.os_error_message(exc),
                        "fix the permissions, space or path named, then run it again", 1)
     except Exception as exc:  # noqa: BLE001 - the one place that turns bugs into a line

@@ -1,29 +1,89 @@
-"""Writes that never leave half a file or half a directory behind."""
+"""Writes that never leave half a file or half a directory behind, and the one
+line for a disk that filled up while writing."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from e2.errors import E2Error
 from e2.faults import checkpoint
 
+# Below this much free space a write git reports as failed (it often prints no
+# errno) is taken to have failed for want of space: its largest single write, the
+# index of a vLLM checkout, is about 1 MiB, and git frees it again when it fails.
+LOW_SPACE = 4 << 20
+
+
+class NoSpace(E2Error):
+    """A write failed because the filesystem it went to is full."""
+
+
+def no_space(path: Path | str | None) -> NoSpace:
+    """The one line for a full disk: the filesystem that is full, and what was written."""
+    if path is None:  # an OSError from a write names no file
+        return NoSpace("no space left on device (free some and run the command again)")
+    path = Path(path).absolute()
+    mount = mount_point(path)
+    return NoSpace(f"no space left on device: {mount}"
+                   + ("" if mount == path else f" (writing {path})"))
+
+
+def _existing(path: Path) -> Path:
+    """``path``, or its nearest parent that exists (a failed write's staging is gone)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem ``path`` (or its nearest existing parent) is on."""
+    path = _existing(path)
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def nearly_full(path: Path) -> bool:
+    """Whether the filesystem holding ``path`` has less than LOW_SPACE free (or no inodes)."""
+    try:
+        stats = os.statvfs(_existing(path))
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < LOW_SPACE or (stats.f_files > 0
+                                                            and stats.f_favail == 0)
+
+
+@contextmanager
+def space_named(where: Path) -> Iterator[None]:
+    """An OSError for want of space in the block becomes NoSpace naming ``where``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise no_space(where) from None
+
 
 def write_atomic(path: Path, content: str | bytes) -> None:
     """Replace ``path`` in one rename so a reader never sees half a file."""
     data = content.encode("utf-8") if isinstance(content, str) else content
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with space_named(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def staging_paths(target: Path) -> tuple[Path, Path]:
@@ -96,17 +156,18 @@ def replace_dir_with(target: Path, fill: Callable[[Path], None]) -> None:
     recover_dir(target)
     refuse_link(target)
     new, old = _staging(target)
-    try:
-        new.mkdir(parents=True)  # a fill that writes nothing still makes an (empty) directory
-        fill(new)
-        checkpoint("replace-dir-staged")
-        if target.exists():
-            target.rename(old)
-        checkpoint("replace-dir-swapping")
-        new.rename(target)
-    except BaseException:  # a full disk, a Ctrl-C: the old tree goes back in place
-        recover_dir(target)
-        raise
+    with space_named(target):
+        try:
+            new.mkdir(parents=True)  # a fill that writes nothing still makes an (empty) dir
+            fill(new)
+            checkpoint("replace-dir-staged")
+            if target.exists():
+                target.rename(old)
+            checkpoint("replace-dir-swapping")
+            new.rename(target)
+        except BaseException:  # a full disk, a Ctrl-C: the old tree goes back in place
+            recover_dir(target)
+            raise
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -16,6 +16,7 @@ import git
 from unidiff import PatchSet
 
 from e2.errors import E2Error
+from e2.fsio import nearly_full, write_atomic
 
 # Diff options pinned in every command that writes or compares patches, so the
 # output never depends on the user's git config (abbrev, renames, prefixes).
@@ -57,6 +58,29 @@ def require_git() -> None:
     """Refuse at once, in one line, when there is no git to run."""
     if shutil.which("git") is None:
         raise E2Error(GIT_MISSING, hint=GIT_MISSING_HINT)
+
+
+# What git prints when a write fails for want of space: strerror(ENOSPC) and the
+# words of its write_or_die.
+_NO_SPACE = ("no space left on device", "out of diskspace")
+# How git reports a failed write without saying why (a checkout's "unable to write
+# file", an index's "unable to write new index file"): for want of space when the
+# disk is nearly full.
+_WRITE_FAILED = ("unable to write", "write error", "could not write", "failed to write",
+                 "short write")
+
+
+def out_of_space(git_output: str, where: Path) -> bool:
+    """Whether a git command that wrote under ``where`` and said ``git_output`` failed
+    because the disk is full (read before the command's leftovers are removed)."""
+    # only git's own complaints: a commit subject ("Applying: ...") may say anything;
+    # gitpython's GitCommandError puts "  stderr: '" before the first line
+    lines = (line.strip().removeprefix("stderr: '").removeprefix("stdout: '")
+             for line in git_output.lower().splitlines())
+    text = "\n".join(line for line in lines if line.startswith(("error:", "fatal:")))
+    if any(words in text for words in _NO_SPACE):
+        return True
+    return any(words in text for words in _WRITE_FAILED) and nearly_full(where)
 
 
 def git_am(repo: git.Repo, patch_files: list[Path],
@@ -229,10 +253,7 @@ def write_record(repo: git.Repo, patch_files: Iterable[bytes]) -> None:
     hashes = set(read_record(repo)["patch_files"])
     hashes.update(hashlib.sha256(data).hexdigest() for data in patch_files)
     record = {"reflog": sorted(reflog_tips(repo)), "patch_files": sorted(hashes)}
-    path = Path(repo.git_dir, RECORD)
-    tmp = path.with_name(RECORD + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(Path(repo.git_dir, RECORD), json.dumps(record, indent=1) + "\n")
 
 
 def reflog_tips(repo: git.Repo) -> set[str]:

@@ -32,7 +32,7 @@ def test_a_full_disk_leaves_the_old_tree_and_no_staging(tmp_path, monkeypatch):
         path.write_bytes(data)
 
     monkeypatch.setattr(fsio, "write_file", fill_up)
-    with pytest.raises(OSError, match="No space left on device"):
+    with pytest.raises(fsio.NoSpace, match=f"no space left on device: .*writing {target}"):
         replace_dir(target, {"vllm/a.py": b"new", "vllm/b.py": b"new"})
     assert read_tree(target) == {"vllm/a.py": b"old"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["overlay"]
