@@ -12,6 +12,7 @@ A missing name or a file that does not compile is a stop; the rest is for review
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -100,9 +101,8 @@ def _definitions(tree: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.stm
 
 def _enclosing(text: str, line: int) -> str | None:
     """The innermost function (qualified name) around ``line``."""
-    try:
-        tree = ast.parse(text)
-    except SyntaxError:
+    tree = _parse(text)
+    if tree is None:
         return None
     best = None
     for name, node in _definitions(tree):
@@ -114,11 +114,7 @@ def _enclosing(text: str, line: int) -> str | None:
 
 
 def _source(text: str | None, qualname: str) -> str | None:
-    if text is None:
-        return None
-    try:
-        tree = ast.parse(text)
-    except SyntaxError:
+    if text is None or (tree := _parse(text)) is None:
         return None
     for name, node in _definitions(tree):
         if name == qualname:
@@ -145,10 +141,11 @@ def check_files(repo: git.Repo, new_tag: str, old_tag: str) -> list[HotSpot]:
             continue
         added = _added_lines(repo, new_tag, file)
         for node in ast.walk(tree):
+            # the series' own import lines: upstream's resolve in upstream
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                    and node.module.split(".")[0] == "vllm":
-                spots += _check_import(repo, file, node, node.lineno in added, old_tag,
-                                       new_tag)
+                    and node.module.split(".")[0] == "vllm" \
+                    and added.intersection(range(node.lineno, (node.end_lineno or 0) + 1)):
+                spots += _check_import(repo, file, node, old_tag, new_tag)
     return spots
 
 
@@ -162,8 +159,8 @@ def _added_lines(repo: git.Repo, new_tag: str, file: str) -> set[int]:
     return lines
 
 
-def _check_import(repo: git.Repo, file: str, node: ast.ImportFrom, ours: bool,
-                  old_tag: str, new_tag: str) -> list[HotSpot]:
+def _check_import(repo: git.Repo, file: str, node: ast.ImportFrom, old_tag: str,
+                  new_tag: str) -> list[HotSpot]:
     module = node.module or ""
     path = module.replace(".", "/")
     source_path = next((p for p in (f"{path}.py", f"{path}/__init__.py")
@@ -179,9 +176,7 @@ def _check_import(repo: git.Repo, file: str, node: ast.ImportFrom, ours: bool,
     for alias in node.names:
         if alias.name in names or show(repo, "HEAD", f"{path}/{alias.name}.py") is not None \
                 or show(repo, "HEAD", f"{path}/{alias.name}/__init__.py") is not None:
-            if ours:
-                spots += _signature(repo, file, node, alias.name, source_path, old_tag,
-                                    new_tag)
+            spots += _signature(repo, file, node, alias.name, source_path, old_tag, new_tag)
             continue
         homes = defined_in(repo, alias.name, source_path)
         where = f" (defined in {', '.join(homes[:2])})" if homes else ""
@@ -190,10 +185,10 @@ def _check_import(repo: git.Repo, file: str, node: ast.ImportFrom, ours: bool,
     return spots
 
 
+@functools.lru_cache(maxsize=256)
 def _top_level_names(text: str) -> dict[str, ast.AST | None] | None:
-    try:
-        tree = ast.parse(text)
-    except SyntaxError:
+    tree = _parse(text)
+    if tree is None:
         return None
     if any(isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
            for node in tree.body):
@@ -241,3 +236,12 @@ def _compatible(old: ast.arguments, new: ast.arguments) -> bool:
                              if d is None} - old_keywords
     kept_keywords = old_keywords <= {a.arg for a in new.kwonlyargs} or new.kwarg is not None
     return not required_new and not new_required_keywords and kept_keywords
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(text: str) -> ast.Module | None:
+    """One parse per text: hot spots look into the same big files many times."""
+    try:
+        return ast.parse(text)
+    except SyntaxError:
+        return None

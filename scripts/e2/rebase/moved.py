@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import re
 import subprocess
 import tempfile
@@ -72,15 +73,21 @@ def definition_span(text: str, name: str) -> tuple[int, int] | None:
 
 def defined_in(repo: git.Repo, name: str, exclude: str) -> list[str]:
     """Files of HEAD that define ``name`` (def or class), other than ``exclude``."""
-    try:
-        out = repo.git.grep("-l", "-E", rf"^\s*(async\s+)?(def|class)\s+{name}\b", "HEAD",
-                            "--", "*.py")
-    except git.GitCommandError:  # no match
-        return []
-    files = [line.split(":", 1)[1] for line in out.splitlines()]
+    files = _defining_files(str(repo.git_dir), repo.head.commit.hexsha, name)
     # the likeliest home first: outside tests/, then nearest to where it was
     return sorted((f for f in files if f != exclude),
                   key=lambda f: (f.startswith("tests/"), -_common_prefix(f, exclude), f))
+
+
+@functools.lru_cache(maxsize=512)
+def _defining_files(git_dir: str, commit: str, name: str) -> list[str]:
+    """git grep over a whole release: cached, a dry run asks for a name more than once."""
+    try:
+        out = git.Repo(git_dir).git.grep("-l", "-E", rf"^\s*(async\s+)?(def|class)\s+{name}\b",
+                                         commit, "--", "*.py")
+    except git.GitCommandError:  # no match
+        return []
+    return [line.split(":", 1)[1] for line in out.splitlines()]
 
 
 def _common_prefix(a: str, b: str) -> int:
