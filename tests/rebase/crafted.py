@@ -4,7 +4,9 @@ every status once, in this order:
 0001 clean     vllm/scalar_type.py, untouched upstream
 0002 offset    vllm/logging_utils/formatter.py, upstream inserted 4 lines above
 0003 merged    vllm/entrypoints/mcp/tool.py, upstream changed a context line
-0004 conflict  the project's real patch 0001 (upstream added an import on the same line)
+0004 conflict  the project's patch 0001 as it was on 29 Nov 2026 (upstream added an import
+               on the same line), kept in data/ so the series' own changes leave these
+               tests alone
 0005 obsolete  upstream's own 0.32.0 change to vllm/device_allocator/__init__.py
 """
 
@@ -37,8 +39,10 @@ def upstream_releases(upstream_cache):
 
 def _craft(e2: E2) -> None:
     e2("apply")
-    e2.commit_edit("vllm/scalar_type.py", "import functools\n",
-                   "import functools\n\n_E2_CLEAN = 'VLLM_E2_CLEAN'\n", "scalar_type: clean")
+    # each edit keeps upstream's own checks (ruff, its pre-commit hooks) quiet
+    e2.commit_edit("vllm/scalar_type.py", "_SCALAR_TYPES_ID_MAP = {}\n",
+                   '_SCALAR_TYPES_ID_MAP = {}\n_E2_CLEAN = "VLLM_E2_CLEAN"\n',
+                   "scalar_type: clean")
     e2.commit_edit("vllm/logging_utils/formatter.py",
                    '        self.use_relpath = log_level == "DEBUG"\n',
                    '        self.use_relpath = log_level == "DEBUG"  # VLLM_E2_OFFSET\n',
@@ -49,7 +53,7 @@ def _craft(e2: E2) -> None:
                    '                status="completed",  # VLLM_E2_MERGED\n',
                    "mcp tool: merged")
     repo = e2.worktree()
-    real = next((REPO_ROOT / "patches").glob("0001-*.patch"))
+    real = Path(__file__).resolve().parent / "data" / "0001-switch-registry-on-0.31.0.patch"
     repo.git.am(str(real))
     cache_repo = git.Repo(e2.cache.upstream_repo)
     upstream_change = cache_repo.git.diff("refs/tags/v0.31.0", "refs/tags/v0.32.0", "--",
