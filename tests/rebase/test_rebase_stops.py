@@ -22,7 +22,11 @@ CORE = "vllm/v1/engine/core.py"
 
 def test_a_stop_writes_a_classified_report_that_abort_keeps(crafted):
     e2 = crafted
+    _, _, err = e2("rebase", "--onto", "0.31.0", "--dry-run", expect=1)
+    assert "the series is already on v0.31.0" in err
     rebase_to_conflict(e2, "0.32.0")
+    _, _, err = e2("rebase", "--onto", "0.33.0", "--dry-run", expect=1)
+    assert "a rebase is in progress" in err
     report = e2.root / REPORTS / "0.31.0-to-0.32.0.json"
     data = json.loads(report.read_text())
     assert data["state"] == "stopped at 0004 (conflict)"

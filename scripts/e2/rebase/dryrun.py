@@ -18,6 +18,7 @@ from pathlib import Path
 import git
 
 from e2.apply import UpstreamOptions
+from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.gitops import COMMITTER_ENV
 from e2.rebase import proposals
@@ -37,6 +38,11 @@ class DryRun:
 
 def dry_run(project: Project, series: Series, target: Upstream, upstream: UpstreamOptions,
             folder: Path) -> DryRun:
+    if target.tag == series.upstream.tag:
+        raise E2Error(f"the series is already on {target.tag}")
+    if (project.state_dir / "rebase" / "state.json").is_file():
+        raise E2Error("a rebase is in progress: series.yaml and patches/ may be half rewritten",
+                      hint="finish it (e2 rebase --continue) or e2 rebase --abort first")
     upstream.cache.ensure(target, source=upstream.source, local=upstream.local)
     scratch = Path(tempfile.mkdtemp(prefix="e2-dry-run-"))
     try:
