@@ -197,16 +197,19 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
     results = [PatchResult(patch, "merged" if patch.id in merged else "clean", commit)
                for patch, commit in zip(patches, commits)]
     find_offsets(repo, project, results)
-    tree = AppliedTree(dest, repo, series.upstream.tag, base_commit, results)
-    inexact = [r for r in results if r.status != "clean"]
-    if exact and inexact:
-        lines = [f"{r.patch.id} ({r.patch.file}): {r.status}: " + "; ".join(r.notes)
-                 for r in inexact]
-        raise E2Error("patches do not apply exactly on " + series.upstream.tag + ":\n  "
-                      + "\n  ".join(lines),
+    if exact:
+        _refuse_inexact(results, series.upstream.tag)
+    return AppliedTree(dest, repo, series.upstream.tag, base_commit, results)
+
+
+def _refuse_inexact(results: list[PatchResult], tag: str) -> None:
+    """``apply --exact``: a patch that needed an offset or a 3-way merge is an error."""
+    lines = [f"{r.patch.id} ({r.patch.file}): {r.status}: " + "; ".join(r.notes)
+             for r in results if r.status != "clean"]
+    if lines:
+        raise E2Error(f"patches do not apply exactly on {tag}:\n  " + "\n  ".join(lines),
                       hint="re-export them from a worktree (e2 apply; e2 export) so their "
                            "context matches upstream")
-    return tree
 
 
 def _for_want_of_space(exc: BaseException, staging: Path) -> bool:
