@@ -578,6 +578,9 @@ class PagePool(BlockPool):
         ):
             logger.warning("Failed to reset prefix cache: blocks in use")
             return False
+        if self.num_gpu_blocks - self.get_num_free_blocks() != 1:
+            # States still held: upstream's refusal, before the slabs forget.
+            return super().reset_prefix_cache()
         for slab in self.slabs:
             forget_cached_blocks(slab)
             slab.reclaim(len(slab.page_blocks))
