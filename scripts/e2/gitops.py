@@ -324,10 +324,6 @@ def refs_not_from(repo: git.Repo, upstream: Path) -> list[str]:
     return mine
 
 
-def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=False)
-
-
 @dataclass(frozen=True)
 class Hunk:
     path: str
