@@ -214,3 +214,58 @@ def test_a_commit_left_mid_am_continue_can_be_skipped(crafted):
     e2("rebase", "--skip", "--reason", "not needed")
     assert "VLLM_E2_REPORT" not in e2.series_text()
     assert len(list((e2.root / "patches").glob("*.patch"))) == 3
+
+
+def import_a_name_that_moved(e2) -> None:
+    """Patch 0001 imports create_kv_cache_group_specs from kv_cache_utils, where 0.31.0
+    and 0.32.0 define it and 0.33.0 no longer does (it moved to kv_cache_planning.py):
+    the patch still applies cleanly there."""
+    first = next((e2.root / "patches").glob("0001-*.patch"))
+    text = first.read_text()
+    assert '+_E2_CLEAN = "VLLM_E2_CLEAN"\n' in text
+    first.write_text(text.replace(
+        '+_E2_CLEAN = "VLLM_E2_CLEAN"\n',
+        "+from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs  # VLLM_E2_CLEAN\n"))
+    git.Repo(e2.root).git.commit(
+        "-qam", "0001 imports a name", author="T <t@vllm-e2.invalid>",
+        env={"GIT_COMMITTER_NAME": "T", "GIT_COMMITTER_EMAIL": "t@vllm-e2.invalid"})
+
+
+def test_a_missing_name_stops_the_rebase_until_it_resolves(crafted):
+    e2 = crafted
+    import_a_name_that_moved(e2)
+    missing = "vllm.v1.core.kv_cache_utils has no create_kv_cache_group_specs"
+    # a dry run lists it, counts the stop and goes on
+    e2("rebase", "--onto", "0.33.0", "--dry-run")
+    data = json.loads((e2.root / REPORTS / "0.31.0-to-0.33.0.json").read_text())
+    assert data["state"] == "dry run, would stop at 0001, 0004, 0005"
+    assert [p["status"] for p in data["patches"]][:3] == ["clean", "offset", "merged"]
+    [spot] = [s for s in data["hot_spots"] if s["kind"] == "missing-name"]
+    assert spot["patch"] == "0001" and spot["file"] == "vllm/scalar_type.py"
+    assert spot["what"].startswith(missing)
+    # a real rebase stops at the patch, with the report written
+    _, out, _ = e2("rebase", "--onto", "0.33.0", expect=1)
+    assert "0001 scalar_type: clean: uses what v0.33.0 lacks" in out
+    assert f"vllm/scalar_type.py:{spot['line']}: {missing}" in out
+    assert "e2 rebase --continue" in out and "--abort" in out
+    assert state(e2)["phase"] == "missing-name" and statuses(e2)[:2] == ["conflict", "pending"]
+    data = json.loads((e2.root / REPORTS / "0.31.0-to-0.33.0.json").read_text())
+    assert data["state"] == "stopped at 0001 (missing-name)"
+    assert any(s["kind"] == "missing-name" and s["patch"] == "0001"
+               for s in data["hot_spots"])
+    # --continue refuses while the name is still missing, naming it
+    _, _, err = e2("rebase", "--continue", expect=1)
+    assert f"0001 still uses what v0.33.0 lacks: vllm/scalar_type.py:{spot['line']}: " \
+           f"{missing}" in err
+    # fixed in the worktree, it goes into the patch's commit and the rebase goes on
+    scalar = e2.root / ".e2/rebase/work/vllm/scalar_type.py"
+    scalar.write_text(scalar.read_text().replace("v1.core.kv_cache_utils import",
+                                                 "v1.core.kv_cache_planning import"))
+    _, out, _ = e2("rebase", "--continue", expect=1)
+    assert "conflict in 0004" in out
+    assert statuses(e2)[:4] == ["resolved", "offset", "merged", "conflict"]
+    assert any(n.startswith("fixed at the stop") for n in state(e2)["patches"][0]["notes"])
+    work = git.Repo(e2.root / ".e2/rebase/work")
+    first = work.git.show(state(e2)["patches"][0]["new_commit"], "--", "vllm/scalar_type.py")
+    assert "+from vllm.v1.core.kv_cache_planning import create_kv_cache_group_specs" in first
+    e2("rebase", "--abort")

@@ -16,7 +16,7 @@ from e2.rebase.report import collect, stem, summary_line, write
 from e2.rebase.result import finish
 from e2.rebase.resume import continue_rebase, skip
 from e2.rebase.state import VERDICTS, Phase, RebaseState
-from e2.rebase.steps import apply_remaining, start
+from e2.rebase.steps import MISSING, apply_remaining, start
 from e2.rebase.workspace import Rebase
 from e2.series import Series
 from e2.verify import Check, verify
@@ -26,8 +26,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "rebase", help="move the series onto a new upstream release, with a conflict report",
         description="Forward-port every patch onto another upstream release (git am --3way; "
-                    "recorded whole resolutions replayed). Stops at a conflict or at a patch "
-                    "upstream already has, writing a report to .e2/rebase-reports; resume "
+                    "recorded whole resolutions replayed). Stops at a conflict, at a patch "
+                    "upstream already has, or at a patch importing a vllm name the release "
+                    "lacks, writing a report to .e2/rebase-reports; resume "
                     "with --continue, --skip or --abort. Writes docs/rebases/<from>-to-<to>.md "
                     "and .json at the end.")
     action = parser.add_mutually_exclusive_group(required=True)
@@ -173,6 +174,16 @@ def _print_stop(rebase: Rebase, state: RebaseState, report: Path) -> None:
                           "(applies in reverse)", markup=False)
         console.out.print("  drop it: e2 rebase --skip   keep it: e2 rebase --continue   "
                           f"give up: e2 rebase --abort\n  report {report}", markup=False)
+        return
+    if state.phase == Phase.MISSING_NAME:
+        console.out.print(f"{current.id} {current.title}: uses what {state.target['tag']} "
+                          f"lacks (worktree {rebase.work}):", markup=False)
+        for note in current.notes:
+            if note.startswith(MISSING):
+                console.out.print(f"  {note.removeprefix(MISSING).strip()}", markup=False)
+        console.out.print(f"  report {report}\n  fix the files in {rebase.work} (the changes "
+                          "go into the patch's commit), then e2 rebase --continue"
+                          "   (or --skip, --abort)", markup=False)
         return
     console.out.print(f"conflict in {current.id} {current.title} "
                       f"(worktree {rebase.work}):", markup=False)

@@ -4,7 +4,7 @@ Like git's own rebase, the work happens in steps that leave their state on
 disk (``.e2/rebase/state.json``, written atomically after every step) and a
 worktree (``.e2/rebase/work``) where conflicts are resolved by hand:
 
-    e2 rebase --onto 0.32.0       # stops at a conflict or an obsolete patch
+    e2 rebase --onto 0.32.0       # stops at a conflict, an obsolete patch, a missing name
     e2 rebase --continue          # after resolving and staging (git add)
     e2 rebase --skip --reason R   # drop the current patch
     e2 rebase --abort             # series.yaml, patches/, overlay/, Dockerfile as before

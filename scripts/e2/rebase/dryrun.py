@@ -60,6 +60,9 @@ def dry_run(project: Project, series: Series, target: Upstream, upstream: Upstre
         spots = hot_spots(repo, state)
         report = collect(repo, state, series, series,
                          (project.patches_dir, project.patches_dir), spots=spots)
+        # a real rebase also stops at a patch using a name the release lacks
+        stops = set(stopped) | {s.patch for s in spots if s.kind.stops}
+        stopped = [p.id for p in state.patches if p.id in stops]
         report["state"] = ("dry run, would stop at " + ", ".join(stopped)) if stopped \
             else "dry run, no stop"
         report["summary_line"] = summary_line(state, spots, finished=not stopped)

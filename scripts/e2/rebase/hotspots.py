@@ -125,14 +125,19 @@ def _source(text: str | None, qualname: str) -> str | None:
 # ---------------------------------------------------------------- names and syntax
 
 
-def check_files(repo: git.Repo, new_tag: str, old_tag: str) -> list[HotSpot]:
-    """Every Python file the series changes on the new release (HEAD): it compiles,
-    its vllm imports resolve, and what the series imports kept its parameters."""
+def check_files(repo: git.Repo, new_tag: str, old_tag: str,
+                files: list[str] | None = None) -> list[HotSpot]:
+    """Every Python file the series changes on the new release (HEAD), or those of
+    ``files`` still there: it compiles, its vllm imports resolve, and what the
+    series imports kept its parameters."""
     spots: list[HotSpot] = []
-    files = [f for f in repo.git.diff("--name-only", "--diff-filter=AM", f"refs/tags/{new_tag}",
-                                      "HEAD", "--", "*.py").split()]
+    if files is None:
+        files = repo.git.diff("--name-only", "--diff-filter=AM", f"refs/tags/{new_tag}",
+                              "HEAD", "--", "*.py").split()
     for file in files:
-        text = show(repo, "HEAD", file) or ""
+        text = show(repo, "HEAD", file) if file.endswith(".py") else None
+        if text is None:
+            continue  # not Python, or deleted
         try:
             tree = ast.parse(compile(text, file, "exec", ast.PyCF_ONLY_AST))
         except SyntaxError as exc:
@@ -146,6 +151,17 @@ def check_files(repo: git.Repo, new_tag: str, old_tag: str) -> list[HotSpot]:
                     and node.module.split(".")[0] == "vllm" \
                     and added.intersection(range(node.lineno, (node.end_lineno or 0) + 1)):
                 spots += _check_import(repo, file, node, old_tag, new_tag)
+    return spots
+
+
+def missing_names(repo: git.Repo, patch: PatchState, new_tag: str,
+                  old_tag: str) -> list[HotSpot]:
+    """What stops the rebase at ``patch``, just committed (HEAD): a vllm name its
+    files import that the new release lacks, or one of its files that does not compile."""
+    files = repo.git.diff("--name-only", "--diff-filter=AM", "HEAD^", "HEAD").split()
+    spots = [s for s in check_files(repo, new_tag, old_tag, files) if s.kind.stops]
+    for spot in spots:
+        spot.patch = patch.id
     return spots
 
 

@@ -5,13 +5,15 @@ backup's own job (``Rebase.abort``).
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import git
 
 from e2.errors import E2Error
-from e2.rebase import proposals
+from e2.gitops import COMMITTER_ENV
+from e2.rebase import proposals, replay
 from e2.rebase.conflicts import (
     ask,
     capture_conflicts,
@@ -19,9 +21,17 @@ from e2.rebase.conflicts import (
     unmerged_files,
     verdicts_for,
 )
+from e2.rebase.hotspots import missing_names
 from e2.rebase.hunks import classify_conflicts
 from e2.rebase.state import PatchState, PatchStatus, Phase, RebaseState
-from e2.rebase.steps import am_3way, commit_resolution, committed_since_stop, record_applied
+from e2.rebase.steps import (
+    MISSING,
+    am_3way,
+    commit_resolution,
+    committed_since_stop,
+    record_applied,
+    stopped_at_missing_names,
+)
 from e2.rebase.workspace import Rebase
 
 STOPPED_AT_CONFLICT = (Phase.CONFLICT, Phase.REPLAY)
@@ -31,6 +41,8 @@ def continue_rebase(rebase: Rebase, state: RebaseState, verdict: str | None,
                     reason: str | None, accept_proposals: bool = False) -> None:
     current = state.current()
     repo = rebase.repo()
+    # the branches below but --continue at a missing name may commit the patch
+    commits = state.phase in (*STOPPED_AT_CONFLICT, Phase.OBSOLETE, Phase.APPLYING)
     if state.phase == Phase.OBSOLETE and current is not None:
         _keep_obsolete(rebase, repo, state, current)
     elif state.phase in STOPPED_AT_CONFLICT and current is not None:
@@ -48,11 +60,15 @@ def continue_rebase(rebase: Rebase, state: RebaseState, verdict: str | None,
                     verdicts_for(conflict, verdict, reason)
             state.save(rebase.state_file)  # a kill in git am --continue keeps them
             commit_resolution(rebase, repo, current, state.target["tag"])
+    elif state.phase == Phase.MISSING_NAME and current is not None:
+        _names_fixed(rebase, repo, state, current)
     elif state.phase == Phase.APPLYING and current is not None \
             and current.status == PatchStatus.APPLYING:
         _reconcile(rebase, repo, state, current)
     if state.phase != Phase.FINISHING:
         state.phase = Phase.APPLYING
+    if commits and current is not None:
+        stopped_at_missing_names(repo, state, current)  # then apply_remaining stops
     state.save(rebase.state_file)
 
 
@@ -64,6 +80,30 @@ def _check_resolved(rebase: Rebase, repo: git.Repo, current: PatchState) -> None
                       hint=f"resolve the conflict markers in {rebase.work}, git add the "
                            "files, then e2 rebase --continue (--accept-proposals takes "
                            "the report's proposals)")
+
+
+def _names_fixed(rebase: Rebase, repo: git.Repo, state: RebaseState,
+                 current: PatchState) -> None:
+    """Stopped at a patch whose files use a name the release lacks: what was changed
+    in the worktree goes into the patch's commit, then its names are checked again."""
+    repo.git.add("-A")
+    if repo.is_dirty(index=True, working_tree=False, untracked_files=False):
+        env = {**os.environ, **COMMITTER_ENV}
+        subprocess.run(["git", "commit", "-q", "--amend", "--no-edit", "--no-verify"],
+                       cwd=rebase.work, env=env, capture_output=True, check=True)
+    spots = missing_names(repo, current, state.target["tag"], state.source["tag"])
+    if spots:
+        raise E2Error(f"{current.id} still uses what {state.target['tag']} lacks: "
+                      + "; ".join(f"{s.file}:{s.line}: {s.what}" for s in spots),
+                      hint=f"fix it in {rebase.work} (the changes go into the patch's "
+                           "commit), then e2 rebase --continue; or e2 rebase --skip, "
+                           "e2 rebase --abort")
+    current.status, current.new_commit = PatchStatus.RESOLVED, repo.head.commit.hexsha
+    current.notes = [note.replace(MISSING, "fixed at the stop, was missing:")
+                     for note in current.notes]
+    replay.record(repo, rebase.resolutions, rebase.project.patches_dir / current.file,
+                  current, state.target["tag"])
+    state.phase = Phase.APPLYING
 
 
 def _keep_obsolete(rebase: Rebase, repo: git.Repo, state: RebaseState,
@@ -101,7 +141,8 @@ def _reconcile(rebase: Rebase, repo: git.Repo, state: RebaseState,
 
 def skip(rebase: Rebase, state: RebaseState, reason: str | None) -> None:
     current = state.current()
-    if current is None or state.phase not in (*STOPPED_AT_CONFLICT, Phase.OBSOLETE):
+    if current is None or state.phase not in (*STOPPED_AT_CONFLICT, Phase.OBSOLETE,
+                                              Phase.MISSING_NAME):
         raise E2Error("nothing to skip: the rebase is not stopped at a patch")
     if state.phase == Phase.OBSOLETE:
         reason = reason or f"already in upstream {state.target['tag']}"
@@ -112,7 +153,8 @@ def skip(rebase: Rebase, state: RebaseState, reason: str | None) -> None:
         subprocess.run(["git", "am", "--quit"], cwd=rebase.work, capture_output=True,
                        check=True)
     if current.base_commit is not None and (
-            committed_since_stop(repo, current) or state.phase == Phase.REPLAY):
+            committed_since_stop(repo, current)
+            or state.phase in (Phase.REPLAY, Phase.MISSING_NAME)):
         # the patch (or a resolution of it) is already committed: take it back out
         repo.git.reset("-q", "--hard", current.base_commit)
     else:

@@ -57,6 +57,7 @@ class Phase(Words):
     CONFLICT = "conflict"     # stopped: conflicts to resolve
     OBSOLETE = "obsolete"     # stopped: the patch applies in reverse
     REPLAY = "replay"         # stopped: a recorded resolution no longer applies
+    MISSING_NAME = "missing-name"  # stopped: the patch uses a vllm name the release lacks
     FINISHING = "finishing"   # writing patches/, series.yaml, overlay/, Dockerfile
 
 

@@ -21,6 +21,7 @@ from e2.faults import checkpoint
 from e2.gitops import AM_FELL_BACK, COMMITTER_ENV, clone_worktree, git_am
 from e2.rebase import replay
 from e2.rebase.conflicts import capture_conflicts, unmerged_files
+from e2.rebase.hotspots import missing_names
 from e2.rebase.hunks import classify_conflicts
 from e2.rebase.state import PatchState, PatchStatus, Phase, RebaseState
 from e2.rebase.workspace import Rebase
@@ -76,9 +77,12 @@ def apply_remaining(rebase: Rebase, state: RebaseState, series: Series) -> bool:
     """Apply the remaining patches; False when stopped for the user."""
     repo = rebase.repo()
     by_id = {p.id: p for p in series.patches}
+    if state.phase == Phase.MISSING_NAME:
+        return False  # a patch just committed by --continue uses a missing name
     while (current := state.current()) is not None:
         patch = by_id[current.id]
-        if not apply_one(rebase, repo, state, current, patch):
+        if not apply_one(rebase, repo, state, current, patch) \
+                or stopped_at_missing_names(repo, state, current):
             state.save(rebase.state_file)
             return False
         state.phase = Phase.APPLYING
@@ -128,6 +132,22 @@ def apply_one(rebase: Rebase, repo: git.Repo, state: RebaseState, current: Patch
         current.notes.append("git rerere re-resolved the conflicted hunks; edits the "
                              "resolution made outside them are not replayed: check them")
     return False
+
+
+MISSING = "missing in the new release:"
+
+
+def stopped_at_missing_names(repo: git.Repo, state: RebaseState, current: PatchState) -> bool:
+    """Stop at a patch just committed whose files import a vllm name the new release
+    lacks (or do not compile): a clean apply that would fail at import."""
+    if not current.status.applied:
+        return False
+    spots = missing_names(repo, current, state.target["tag"], state.source["tag"])
+    if not spots:
+        return False
+    current.notes = [*current.notes, *(f"{MISSING} {s.file}:{s.line}: {s.what}" for s in spots)]
+    current.status, state.phase = PatchStatus.CONFLICT, Phase.MISSING_NAME
+    return True
 
 
 def record_applied(rebase: Rebase, repo: git.Repo, current: PatchState, patch: Patch,
