@@ -5,6 +5,9 @@ Code is followed by name: the function or class around the patch's change,
 looked up in the new release. There the change is trial-applied as a 3-way
 merge of that one definition (``git merge-file``: upstream's moved copy, the
 old base, the patched old copy), so a clean result is a proposal with its diff.
+Where no definition of that name is left (renamed, or no definition around the
+change), the most similar block of another file stands in for it, and the
+hunk's own lines are merged there the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import git
 
 from e2.rebase.state import Hunk, PatchState, Proposal
 
+MIN_SIMILAR = 0.6  # how alike (difflib's ratio) a block must be to count as moved code
 _DEFINITION = re.compile(r"^(\s*)(?:async\s+)?(?:def|class)\s+(\w+)")
 
 
@@ -95,7 +99,8 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 def find_moved(repo: git.Repo, current: PatchState, file: str, hunk: Hunk) -> Found | None:
-    """Where the hunk's code went in the new release, and the hunk trial-applied there."""
+    """Where the hunk's code went in the new release, and the hunk trial-applied there:
+    the same function or class in another file, else the most similar block."""
     matcher = difflib.SequenceMatcher(None, hunk.base, hunk.theirs, autojunk=False)
     edits = [op for op in matcher.get_opcodes() if op[0] != "equal"]
     names = [n for op in edits for n in enclosing_names(hunk.base, max(op[1] - 1, 0))]
@@ -104,7 +109,71 @@ def find_moved(repo: git.Repo, current: PatchState, file: str, hunk: Hunk) -> Fo
             proposal, outcome = trial_apply(repo, current, file, target, name)
             return Found(f"upstream moved {name} from {file} to {target}; the change to "
                          f"it, trial-applied there, {outcome}", proposal)
-    return None
+    return find_similar(repo, file, hunk)
+
+
+def find_similar(repo: git.Repo, file: str, hunk: Hunk) -> Found | None:
+    """The block of another file of the new release most like the hunk's base lines
+    (at least MIN_SIMILAR alike, ignoring indentation), and the patch's change to
+    those lines merged into it."""
+    block = similar_block(repo, file, hunk.base)
+    if block is None:
+        return None
+    target, first, last, ratio = block
+    text = show(repo, "HEAD", target) or ""
+    lines = text.splitlines(keepends=True)
+    merged, conflicts = merge_file("".join(lines[first - 1:last]), _joined(hunk.base),
+                                   _joined(hunk.theirs))
+    where = (f"upstream took these lines from {file}; the most similar block is "
+             f"{target} lines {first}-{last} ({ratio:.0%} alike)")
+    if conflicts:
+        return Found(f"{where}; the change, trial-applied there, leaves {conflicts} "
+                     "conflict(s)", None)
+    diff = _splice_diff(text, first, last, merged, target)
+    return Found(f"{where}; the change, trial-applied there, merges cleanly",
+                 Proposal(f"the change applied to the similar block in {target} "
+                          f"(lines {first}-{last}); dropped here", target, None, diff))
+
+
+def similar_block(repo: git.Repo, file: str,
+                  base: list[str]) -> tuple[str, int, int, float] | None:
+    """(file, first line, last line, ratio) of the likeliest new home of ``base``: files
+    holding its most telling lines (git grep), each window of its length anchored on
+    one of them, compared line by line (difflib)."""
+    wanted = [line.strip() for line in base]
+    telling = sorted({w for w in wanted if len(w) >= 12}, key=len, reverse=True)[:8]
+    if not telling:
+        return None
+    try:
+        out = repo.git.grep("-l", "-F", *(a for w in telling for a in ("-e", w)), "HEAD",
+                            "--", "*.py")
+    except git.GitCommandError:  # no file has any of them
+        return None
+    best: tuple[str, int, int, float] | None = None
+    for target in [line.split(":", 1)[1] for line in out.splitlines()]:
+        if target == file:
+            continue
+        have = [line.strip() for line in (show(repo, "HEAD", target) or "").splitlines()]
+        starts = {max(at - wanted.index(line), 0) for at, line in enumerate(have)
+                  if line in telling}
+        for start in sorted(starts):
+            window = have[start:start + len(wanted)]
+            ratio = difflib.SequenceMatcher(None, wanted, window, autojunk=False).ratio()
+            if ratio >= MIN_SIMILAR and (best is None or ratio > best[3]):
+                best = (target, start + 1, start + len(window), ratio)
+    return best
+
+
+def _joined(lines: list[str]) -> str:
+    return "".join(line + "\n" for line in lines)
+
+
+def _splice_diff(text: str, first: int, last: int, merged: str, target: str) -> str:
+    """The diff that puts ``merged`` in place of lines ``first``-``last`` of ``target``."""
+    lines = text.splitlines(keepends=True)
+    new_text = "".join(lines[:first - 1]) + merged + "".join(lines[last:])
+    return "".join(difflib.unified_diff(lines, new_text.splitlines(keepends=True),
+                                        f"a/{target}", f"b/{target}"))
 
 
 def trial_apply(repo: git.Repo, current: PatchState, file: str, target: str,
@@ -121,11 +190,7 @@ def trial_apply(repo: git.Repo, current: PatchState, file: str, target: str,
     pieces = [_cut(t, s) for t, s in zip((moved_text, before, after), spans)]
     merged, conflicts = merge_file(*pieces)
     first, last = spans[0]  # type: ignore[misc]
-    lines = moved_text.splitlines(keepends=True)
-    new_text = "".join(lines[:first - 1]) + merged + "".join(lines[last:])
-    diff = "".join(difflib.unified_diff(moved_text.splitlines(keepends=True),
-                                        new_text.splitlines(keepends=True),
-                                        f"a/{target}", f"b/{target}"))
+    diff = _splice_diff(moved_text, first, last, merged, target)
     if conflicts:
         return None, f"leaves {conflicts} conflict(s)"
     # the hunk itself resolves to upstream's side (the code is gone from this file)
