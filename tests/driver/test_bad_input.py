@@ -279,6 +279,8 @@ CASES = [
          "MANIFEST.json: files: Field required"),
     Case("status-rebase-stopped", stopped_rebase, ("status",),
          "a rebase from v0.31.0 onto v0.32.0 is in progress, stopped at 0001"),
+    Case("export-during-a-stopped-rebase", stopped_rebase, ("export",),
+         "not exporting: a rebase from v0.31.0 onto v0.32.0 is in progress, stopped at 0001"),
     # 4. one line, never a traceback
     Case("patch-empty", empty_patch, ("apply",), "(patch 0001) is empty"),
     Case("patch-truncated", truncated_patch, ("apply",), "(patch 0001) is not a valid diff"),

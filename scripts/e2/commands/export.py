@@ -6,8 +6,10 @@ import argparse
 from pathlib import Path
 
 from e2 import console
+from e2.errors import E2Error
 from e2.export import export_series
 from e2.options import ExportOptions, GlobalOptions
+from e2.rebase import rebase_in_progress
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,6 +28,11 @@ def run(options: GlobalOptions, export: ExportOptions) -> int:
     project = options.project
     series = project.load()
     source = (export.source or project.default_worktree).absolute()
+    stopped = rebase_in_progress(project)
+    if stopped:  # the rebase rewrites patches/ and series.yaml when it ends
+        raise E2Error(f"not exporting: {stopped}",
+                      hint="export would write patches/ and series.yaml under it; finish "
+                           "or abort the rebase first")
     with project.changing():
         result = export_series(project, series, source)
     if not result.changed:
