@@ -170,7 +170,7 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
     try:
         with console.status(f"checking out {series.upstream.tag} into {dest}"):
             repo = clone_worktree(upstream.cache.repo_dir, staging, series.upstream.tag,
-                                  _touched_paths(project, patches) if sparse else None)
+                                  touched_paths(project, patches) if sparse else None)
         _refuse_damaged(repo, upstream, series)
         checkpoint("apply-cloned")
         failed: E2Error | None = None
@@ -281,7 +281,7 @@ def _move_into_place(staging: Path, dest: Path) -> None:
                      f"({problem}); the new one is in place. Remove it by hand")
 
 
-def _touched_paths(project: Project, patches: list[Patch]) -> list[str]:
+def touched_paths(project: Project, patches: list[Patch]) -> list[str]:
     paths: dict[str, None] = {}
     for patch in patches:
         text = project.patch_path(patch).read_text(encoding="utf-8", errors="replace")

@@ -118,8 +118,14 @@ def _source(text: str | None, qualname: str) -> str | None:
         return None
     for name, node in _definitions(tree):
         if name == qualname:
-            return ast.get_source_segment(text, node)
+            # whole lines: ast.get_source_segment splits the whole text on every call
+            return "".join(_lines(text)[node.lineno - 1:node.end_lineno])
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _lines(text: str) -> list[str]:
+    return text.splitlines(keepends=True)
 
 
 # ---------------------------------------------------------------- names and syntax
@@ -138,11 +144,13 @@ def check_files(repo: git.Repo, new_tag: str, old_tag: str,
         text = show(repo, "HEAD", file) if file.endswith(".py") else None
         if text is None:
             continue  # not Python, or deleted
-        try:
-            tree = ast.parse(compile(text, file, "exec", ast.PyCF_ONLY_AST))
-        except SyntaxError as exc:
-            spots.append(HotSpot(SpotKind.SYNTAX, "", file, exc.lineno or 0,
-                                 f"does not compile: {exc.msg}"))
+        tree = _parse(text)
+        if tree is None:
+            try:
+                compile(text, file, "exec", ast.PyCF_ONLY_AST)
+            except SyntaxError as exc:
+                spots.append(HotSpot(SpotKind.SYNTAX, "", file, exc.lineno or 0,
+                                     f"does not compile: {exc.msg}"))
             continue
         added = _added_lines(repo, new_tag, file)
         for node in ast.walk(tree):

@@ -25,6 +25,7 @@ from pydantic import TypeAdapter, ValidationError
 from e2.fsio import write_atomic
 from e2.gitops import COMMITTER_ENV
 from e2.rebase.state import Conflict, PatchState, PatchStatus
+from e2.rebase.workspace import widen
 
 
 class Outcome(Enum):
@@ -71,6 +72,7 @@ def try_replay(repo: git.Repo, store: Path, patch_file: Path, current: PatchStat
     path = record_path(store, patch_file, target_tag)
     if not path.is_file():
         return Outcome.NONE
+    widen(repo)  # the resolution may touch files outside the series'
     entry = json.loads(path.read_text())
     changed = [name for name, blob in entry["base"].items()
                if _blob(repo.head.commit, name) != blob]

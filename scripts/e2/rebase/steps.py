@@ -15,7 +15,7 @@ from pathlib import Path
 
 import git
 
-from e2.apply import PatchResult, apply_series, find_offsets
+from e2.apply import PatchResult, apply_series, find_offsets, touched_paths
 from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.gitops import AM_FELL_BACK, COMMITTER_ENV, clone_worktree, git_am
@@ -24,7 +24,7 @@ from e2.rebase.conflicts import capture_conflicts, unmerged_files
 from e2.rebase.hotspots import missing_names
 from e2.rebase.hunks import classify_conflicts
 from e2.rebase.state import PatchState, PatchStatus, Phase, RebaseState
-from e2.rebase.workspace import Rebase
+from e2.rebase.workspace import Rebase, widen
 from e2.series import Patch, Series, Upstream
 
 
@@ -61,7 +61,9 @@ def prepare_worktree(rebase: Rebase, series: Series, target: Upstream,
     upstream = rebase.upstream_options()
     old = apply_series(rebase.project, series, work.parent / f"{work.name}-old", upstream,
                        sparse=True)
-    repo = clone_worktree(upstream.cache.repo_dir, work, target.tag)
+    # sparse until the first stop widens it (workspace.widen)
+    repo = clone_worktree(upstream.cache.repo_dir, work, target.tag,
+                          touched_paths(rebase.project, series.patches))
     repo.git.fetch("-q", str(old.path), "e2:refs/e2/old")
     shutil.rmtree(old.path)
     with repo.config_writer() as config:
@@ -92,7 +94,16 @@ def apply_remaining(rebase: Rebase, state: RebaseState, series: Series) -> bool:
 
 def apply_one(rebase: Rebase, repo: git.Repo, state: RebaseState, current: PatchState,
               patch: Patch, store: Path | None = None) -> bool:
-    """One patch onto HEAD; False when it stops (the state says why)."""
+    """One patch onto HEAD; False when it stops (the state says why), with the
+    worktree whole."""
+    if _apply_one(rebase, repo, state, current, patch, store):
+        return True
+    widen(repo)
+    return False
+
+
+def _apply_one(rebase: Rebase, repo: git.Repo, state: RebaseState, current: PatchState,
+               patch: Patch, store: Path | None = None) -> bool:
     patch_file = rebase.project.patch_path(patch)
     target_tag = state.target["tag"]
     if current.status == PatchStatus.PENDING and applies_in_reverse(repo, patch_file):
@@ -147,6 +158,7 @@ def stopped_at_missing_names(repo: git.Repo, state: RebaseState, current: PatchS
         return False
     current.notes = [*current.notes, *(f"{MISSING} {s.file}:{s.line}: {s.what}" for s in spots)]
     current.status, state.phase = PatchStatus.CONFLICT, Phase.MISSING_NAME
+    widen(repo)
     return True
 
 

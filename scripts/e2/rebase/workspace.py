@@ -128,3 +128,14 @@ class Rebase:
 
     def done(self) -> None:
         shutil.rmtree(self.dir)
+
+
+def widen(repo: git.Repo) -> None:
+    """The whole release in the rebase's worktree. It is checked out sparse (the
+    files the series touches) while the patches apply alone, which makes a rebase
+    that never stops far cheaper to set up and clear away, and whole where a person
+    (or a proposal, or a recorded resolution) needs the rest of the tree."""
+    with repo.config_reader() as config:
+        sparse = config.get_value("core", "sparseCheckout", False)
+    if sparse:
+        repo.git.sparse_checkout("disable")
