@@ -132,18 +132,17 @@ def _lines(text: str) -> list[str]:
 
 
 def check_files(repo: git.Repo, new_tag: str, old_tag: str,
-                files: list[str] | None = None) -> list[HotSpot]:
+                added: dict[str, set[int]] | None = None) -> list[HotSpot]:
     """Every Python file the series changes on the new release (HEAD), or those of
-    ``files`` still there: it compiles, its vllm imports resolve, and what the
-    series imports kept its parameters."""
+    ``added`` (file -> the lines to check the imports of): it compiles, the vllm
+    imports on its added lines resolve, and what they import kept its parameters."""
     spots: list[HotSpot] = []
-    if files is None:
-        files = repo.git.diff("--name-only", "--diff-filter=AM", f"refs/tags/{new_tag}",
-                              "HEAD", "--", "*.py").split()
-    for file in files:
-        text = show(repo, "HEAD", file) if file.endswith(".py") else None
+    if added is None:
+        added = added_lines(repo, f"refs/tags/{new_tag}", "HEAD")
+    for file, lines in added.items():
+        text = show(repo, "HEAD", file)
         if text is None:
-            continue  # not Python, or deleted
+            continue
         tree = _parse(text)
         if tree is None:
             try:
@@ -152,12 +151,11 @@ def check_files(repo: git.Repo, new_tag: str, old_tag: str,
                 spots.append(HotSpot(SpotKind.SYNTAX, "", file, exc.lineno or 0,
                                      f"does not compile: {exc.msg}"))
             continue
-        added = _added_lines(repo, new_tag, file)
         for node in ast.walk(tree):
             # the series' own import lines: upstream's resolve in upstream
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
                     and node.module.split(".")[0] == "vllm" \
-                    and added.intersection(range(node.lineno, (node.end_lineno or 0) + 1)):
+                    and lines.intersection(range(node.lineno, (node.end_lineno or 0) + 1)):
                 spots += _check_import(repo, file, node, old_tag, new_tag)
     return spots
 
@@ -166,21 +164,28 @@ def missing_names(repo: git.Repo, patch: PatchState, new_tag: str,
                   old_tag: str) -> list[HotSpot]:
     """What stops the rebase at ``patch``, just committed (HEAD): a vllm name its
     files import that the new release lacks, or one of its files that does not compile."""
-    files = repo.git.diff("--name-only", "--diff-filter=AM", "HEAD^", "HEAD").split()
-    spots = [s for s in check_files(repo, new_tag, old_tag, files) if s.kind.stops]
+    added = added_lines(repo, "HEAD^", "HEAD")
+    spots = [s for s in check_files(repo, new_tag, old_tag, added) if s.kind.stops]
     for spot in spots:
         spot.patch = patch.id
     return spots
 
 
-def _added_lines(repo: git.Repo, new_tag: str, file: str) -> set[int]:
-    lines: set[int] = set()
-    for line in repo.git.diff("-U0", f"refs/tags/{new_tag}", "HEAD", "--", file).splitlines():
-        if line.startswith("@@ "):
+def added_lines(repo: git.Repo, old: str, new: str) -> dict[str, set[int]]:
+    """The lines ``new`` adds over ``old`` in each Python file it adds or changes,
+    from one ``git diff``."""
+    added: dict[str, set[int]] = {}
+    lines: set[int] | None = None
+    for line in repo.git.diff("-U0", "--diff-filter=AM", old, new, "--", "*.py").splitlines():
+        if line.startswith("diff --git "):
+            lines = None  # the header: up to the first hunk
+        elif lines is None and line.startswith("+++ b/"):
+            lines = added.setdefault(line[6:], set())
+        elif lines is not None and line.startswith("@@ "):
             plus = line.split()[2][1:].split(",")
             start, count = int(plus[0]), int(plus[1]) if len(plus) > 1 else 1
             lines.update(range(start, start + count))
-    return lines
+    return added
 
 
 def _check_import(repo: git.Repo, file: str, node: ast.ImportFrom, old_tag: str,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from e2.apply import ScratchTree
+from e2.apply import AppliedTree, PatchResult
 from e2.dockerfile import render_dockerfile
 from e2.errors import E2Error
 from e2.export import format_patches
@@ -61,11 +61,22 @@ def finish(rebase: Rebase, state: RebaseState, series: Series) -> Series:
     write_atomic(rebase.project.series_file,
                  render_series(new_series.model_dump(mode="json"), previous))
     checkpoint("after-series")
-    with ScratchTree(rebase.project, new_series, rebase.upstream_options()) as tree:
-        plan = plan_overlay(new_series, rebase.project, tree)
+    plan = plan_overlay(new_series, rebase.project, _rebased_tree(rebase, target, new_series))
     write_overlay(rebase.project, plan)
     _write_dockerfile(rebase.project, new_series, plan.manifest)
     return new_series
+
+
+def _rebased_tree(rebase: Rebase, target: Upstream, series: Series) -> AppliedTree:
+    """The rebase's own worktree as the applied series the overlay is planned from:
+    its commits are the ones just exported (e2 verify then checks that the patches
+    apply exactly and that overlay/ equals what they generate)."""
+    repo = rebase.repo()
+    base = repo.commit(f"refs/tags/{target.tag}").hexsha
+    commits = repo.git.rev_list("--reverse", f"{base}..HEAD").split()
+    results = [PatchResult(patch, "clean", commit)  # the overlay reads commits and ids
+               for patch, commit in zip(series.patches, commits)]
+    return AppliedTree(rebase.work, repo, target.tag, base, results)
 
 
 def retag_base(base: str, tag: str) -> str:
