@@ -104,6 +104,62 @@ def test_cpu_probe_stock_and_e2_match_on_every_case(probe_run):
     assert "all cases match" in probe_run["markdown"]
 
 
+def test_align_mode_resumes_off_stocks_block_grid_with_the_same_tokens(probe_run):
+    """The align geometry: stock raises its block past E2's 256-token state block,
+    E2 attends in its natural block. Chunked prefills cache states, siblings
+    resume from them, and E2's tokens equal stock's and its own with prefix
+    caching off, which takes no hit."""
+    record = probe_run["record"]
+    stock, e2 = (record["sides"][side]["modes"]["align"] for side in ("stock", "e2"))
+    reference = e2["no_prefix_caching"]
+    stock_block = stock["engine"]["block_size"]
+    assert stock_block > 256 > e2["engine"]["block_size"]
+    assert stock["engine"]["mamba_cache_mode"] == e2["engine"]["mamba_cache_mode"] == "align"
+    assert reference["engine"]["enable_prefix_caching"] is False
+    assert reference["engine"]["e2_banner"] is not None
+    assert all(case["prefix_cache_hits"] == 0 for case in reference["cases"].values())
+    for side in (stock, e2):
+        for name in ("align-siblings", "align-siblings-concurrent"):
+            assert side["cases"][name]["prefix_cache_hits"] > 0
+    # E2's hits land on its own grid (256-token states, 32-token partial tails),
+    # not on multiples of stock's block: the states it resumed from are its own.
+    assert e2["cases"]["align-siblings"]["prefix_cache_hits"] % stock_block != 0
+    rows = {r["case"]: r for r in record["rows"] if r["mode"] == "align"}
+    assert set(rows) == set(e2["cases"]) == set(reference["cases"])
+    assert all(r["ok"] and r["reference"] is not None for r in rows.values())
+    for name in ("align-chunked", "align-siblings"):  # sequential: every token, both ways
+        assert rows[name]["matched"] == rows[name]["requests"]
+        assert rows[name]["reference"] == f"{rows[name]['requests']}/{rows[name]['requests']}"
+    assert "e2 vs e2 without prefix caching" in probe_run["markdown"]
+
+
+def test_e2_parting_from_itself_without_prefix_caching_fails(probe_run, tmp_path, capsys):
+    """A hit that resumed from a wrong state: E2 agrees with stock's record here
+    (the reference is changed instead), so only the reference comparison sees it."""
+    record = copy.deepcopy(probe_run["record"])
+    reference = record["sides"]["e2"]["modes"]["align"]["no_prefix_caching"]
+    request = reference["cases"]["align-siblings"]["requests"][0]
+    request["token_ids"][3] = next(t for t in range(3, serve_settings.VOCAB)
+                                   if t != request["token_ids"][3])
+    code, judged, err = _rejudge(record, tmp_path, capsys)
+    assert code == 1
+    assert [r["case"] for r in judged["rows"] if not r["ok"]] == ["align-siblings"]
+    assert ("request 0: e2's token ids differ from position 3 from e2's with prefix "
+            "caching off") in err
+
+
+def test_a_reference_that_hit_the_prefix_cache_fails(probe_run, tmp_path, capsys):
+    """The control must really run the other way: no prefix-cache hit, E2's overlay in."""
+    record = copy.deepcopy(probe_run["record"])
+    reference = record["sides"]["e2"]["modes"]["align"]["no_prefix_caching"]
+    reference["cases"]["align-siblings"]["prefix_cache_hits"] = 32
+    reference["engine"]["e2_banner"] = None
+    code, _, err = _rejudge(record, tmp_path, capsys)
+    assert code == 1
+    assert "e2 with prefix caching off: 32 prefix-cache hit tokens" in err
+    assert "the E2 engine with prefix caching off did not log E2's boot report" in err
+
+
 def _rejudge(record: dict, tmp_path: Path, capsys) -> tuple[int, dict, str]:
     capsys.readouterr()
     code = serve_report.conclude(record, tmp_path, "serve-control")
@@ -247,6 +303,40 @@ def test_cases_follow_the_block_size_and_capacity():
     prefix = big[15]
     assert prefix.prompts[0][:shared] == prefix.prompts[1][:shared]
     assert prefix.prompts[0][shared:] != prefix.prompts[1][shared:]
+
+
+def test_align_cases_chunk_long_prompts_and_share_their_prefixes():
+    cases = {c.name: c for c in serve_cases.build_align_cases(384, budget=600)}
+    assert list(cases) == ["align-chunked", "align-siblings", "align-beside-decodes",
+                           "align-siblings-concurrent"]
+    prompt = cases["align-chunked"].prompts[0]
+    # three chunks or more at the budget, the prompt's end inside a 256-token block
+    assert len(prompt) > 2 * 600 and len(prompt) % 256 and len(prompt) % 384
+    for siblings, source in (("align-siblings", prompt),
+                             ("align-siblings-concurrent",
+                              cases["align-beside-decodes"].prompts[0])):
+        for sibling in cases[siblings].prompts:
+            shared = next(i for i, (a, b) in enumerate(zip(sibling, source)) if a != b)
+            assert len(sibling) == len(source) and 256 < shared < len(source)
+        assert cases[siblings].expect == "prefix_hits"
+    assert cases["align-beside-decodes"].concurrent
+    assert cases["align-siblings-concurrent"].concurrent
+    with pytest.raises(ValueError, match="not longer than stock's block"):
+        serve_cases.build_align_cases(2048, budget=600)
+
+
+def test_the_align_mode_captures_cuda_graphs_on_a_gpu_only():
+    from e2.probes.engines import engine_args, runs_eager
+
+    assert not runs_eager("align", on_cpu=False)
+    assert runs_eager("align", on_cpu=True) and runs_eager("sync", on_cpu=False)
+    gpu_align = engine_args("/model", 8000, "align", 1, eager=False)
+    assert "--enforce-eager" not in gpu_align
+    assert gpu_align[gpu_align.index("--max-num-batched-tokens") + 1] == str(
+        serve_settings.ALIGN_BATCHED_TOKENS)
+    assert "--enforce-eager" in engine_args("/model", 8000, "sync", 1)
+    assert "--no-enable-prefix-caching" in engine_args("/model", 8000, "align", 1,
+                                                       prefix_caching=False)
 
 
 def test_unreachable_docker_host_is_a_clear_error(serve_main, monkeypatch):

@@ -146,8 +146,10 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{KV_CACHE_BYTES}: small, so the oversubscribed case preempts; "
                              f"must hold {MAX_MODEL_LEN} tokens)")
     parser.add_argument("--mode", action="append", choices=MODES, dest="modes",
-                        help="scheduling mode to run (repeatable; default both: the CPU "
-                             "engine turns async off, so there its boot only confirms that)")
+                        help="mode to run (repeatable; default all: sync and async "
+                             "scheduling, and align, the chunked-prefill cases on a model whose "
+                             "state block is finer than stock's; the CPU engine turns async "
+                             "off, so there its boot only confirms that)")
     parser.add_argument("--report", type=Path, metavar="DIR",
                         help="where the JSON and Markdown go (default docs/validation)")
     parser.add_argument("--no-record", action="store_true", help="print only")

@@ -27,7 +27,11 @@ from e2.errors import E2Error
 from e2.probes.serve_client import client_source, http, post_all
 from e2.probes.serve_model import ensure_model_volume, volume_name
 from e2.probes.serve_settings import (
+    ALIGN_BATCHED_TOKENS,
+    ALIGN_KV_CACHE_BYTES,
+    ALIGN_MAX_MODEL_LEN,
     BOOT_TIMEOUT,
+    GEOMETRY,
     KV_CACHE_BYTES,
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
@@ -35,6 +39,7 @@ from e2.probes.serve_settings import (
     SEED,
     SERVED_NAME,
 )
+from e2.probes.tiny_model import GEOMETRIES
 from e2.processes import ProcessGroup, free_port, started
 
 if TYPE_CHECKING:
@@ -43,13 +48,24 @@ if TYPE_CHECKING:
 API_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
 
 
-def engine_args(model: str, port: int, mode: str, tp: int,
-                kv_bytes: int = KV_CACHE_BYTES) -> list[str]:
+def engine_args(model: str, port: int, mode: str, tp: int, kv_bytes: int = KV_CACHE_BYTES,
+                prefix_caching: bool = True, eager: bool = True) -> list[str]:
+    """``vllm serve``'s arguments for a mode. ``eager`` False lets the engine
+    capture CUDA graphs (the align mode on a GPU: one run of the probe's engines
+    as they are served by default)."""
+    align = mode == "align"
     args = ["--model", model, "--served-model-name", SERVED_NAME, "--skip-tokenizer-init",
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-num-seqs", str(MAX_NUM_SEQS), "--kv-cache-memory-bytes", str(kv_bytes),
-            "--enable-prefix-caching", "--enforce-eager", "--seed", str(SEED),
+            "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(ALIGN_MAX_MODEL_LEN if align else MAX_MODEL_LEN),
+            "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--kv-cache-memory-bytes", str(ALIGN_KV_CACHE_BYTES if align else kv_bytes),
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+            "--seed", str(SEED),
             "--async-scheduling" if mode == "async" else "--no-async-scheduling"]
+    if align:
+        args += ["--max-num-batched-tokens", str(ALIGN_BATCHED_TOKENS)]
+    if eager:
+        args += ["--enforce-eager"]
     if tp > 1:
         args += ["--tensor-parallel-size", str(tp)]
     return args
@@ -67,6 +83,7 @@ class Engine(Protocol):
 
     side: str
     mode: str
+    prefix_caching: bool
     boot_s: float
 
     def get(self, path: str) -> str: ...
@@ -85,19 +102,32 @@ class Runner(Protocol):
     on_cpu: bool
     kv_bytes: int
 
-    def start(self, side: str, mode: str) -> AbstractContextManager[Engine]: ...
+    def start(self, side: str, mode: str,
+              prefix_caching: bool = True) -> AbstractContextManager[Engine]: ...
 
     def device(self, engine: Engine) -> str | None: ...
 
     def describe(self) -> dict: ...
 
 
+def runs_eager(mode: str, on_cpu: bool) -> bool:
+    """Every engine runs eager (--enforce-eager) but the align mode's on a GPU,
+    which captures CUDA graphs as a served engine does by default."""
+    return on_cpu or mode != "align"
+
+
+def log_name(side: str, mode: str, prefix_caching: bool) -> str:
+    return f"{side}-{mode}" + ("" if prefix_caching else "-no-prefix-caching")
+
+
 # ---------------------------------------------------------------- local
 
 
 class LocalEngine(Engine):
-    def __init__(self, process: ProcessGroup, port: int, side: str, mode: str):
+    def __init__(self, process: ProcessGroup, port: int, side: str, mode: str,
+                 prefix_caching: bool = True):
         self.process, self.port, self.side, self.mode = process, port, side, mode
+        self.prefix_caching = prefix_caching
         self.base = f"http://127.0.0.1:{port}"
         self.boot_s = 0.0
 
@@ -118,24 +148,26 @@ class LocalRunner:
     on_cpu = True
 
     def __init__(self, python: Path, view: Path | None, run_env: dict[str, dict[str, str]],
-                 model: Path, logs: Path, tp: int = 1, kv_bytes: int = KV_CACHE_BYTES):
-        self.python, self.view, self.model, self.logs, self.tp = python, view, model, logs, tp
+                 models: dict[str, Path], logs: Path, tp: int = 1,
+                 kv_bytes: int = KV_CACHE_BYTES):
+        self.python, self.view, self.models, self.logs, self.tp = python, view, models, logs, tp
         self.run_env, self.kv_bytes = run_env, kv_bytes
 
-    def command(self, side: str, mode: str, port: int) -> list[str]:
+    def command(self, side: str, mode: str, port: int, prefix_caching: bool = True) -> list[str]:
         return [str(self.python), *API_SERVER,
-                *engine_args(str(self.model), port, mode, self.tp, self.kv_bytes)]
+                *engine_args(str(self.models[GEOMETRY[mode]]), port, mode, self.tp,
+                             self.kv_bytes, prefix_caching)]
 
     @contextlib.contextmanager
-    def start(self, side: str, mode: str) -> Iterator[Engine]:
+    def start(self, side: str, mode: str, prefix_caching: bool = True) -> Iterator[Engine]:
         port = free_port()
         env = {**self.run_env[side], **engine_env()}
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         self.logs.mkdir(parents=True, exist_ok=True)
-        command = self.command(side, mode, port)
-        with started(command, self.logs / f"{side}-{mode}.log", env, cwd=self.logs,
-                     header=f"$ {shlex.join(command)}\n") as process:
-            engine = LocalEngine(process, port, side, mode)
+        command = self.command(side, mode, port, prefix_caching)
+        with started(command, self.logs / f"{log_name(side, mode, prefix_caching)}.log", env,
+                     cwd=self.logs, header=f"$ {shlex.join(command)}\n") as process:
+            engine = LocalEngine(process, port, side, mode, prefix_caching)
             engine.boot_s = process.wait_http(f"{engine.base}/health", BOOT_TIMEOUT,
                                               f"{side} engine ({mode})")
             yield engine
@@ -154,8 +186,9 @@ class LocalRunner:
 class DockerEngine(Engine):
     PORT = 8000
 
-    def __init__(self, box: Container, side: str, mode: str):
+    def __init__(self, box: Container, side: str, mode: str, prefix_caching: bool = True):
         self.box, self.side, self.mode = box, side, mode
+        self.prefix_caching = prefix_caching
         self.base = f"http://127.0.0.1:{self.PORT}"
         self.boot_s = 0.0
 
@@ -203,7 +236,7 @@ class DockerRunner:
                  logs: Path, seed: int = SEED, kv_bytes: int = KV_CACHE_BYTES):
         self.client, self.images, self.gpus, self.tp, self.logs = client, images, gpus, tp, logs
         self.kv_bytes, self.seed = kv_bytes, seed
-        self.volume = volume_name(seed)
+        self.volumes = {geometry: volume_name(seed, geometry) for geometry in GEOMETRIES}
         self.on_cpu = not gpus
         info = client.info()
         self.host_info = {k: info.get(k) for k in ("Name", "NCPU", "OperatingSystem",
@@ -215,19 +248,22 @@ class DockerRunner:
         digests = image.attrs.get("RepoDigests") or []
         return {"ref": ref, "id": image.id, "digest": digests[0] if digests else None}
 
-    def ensure_model(self) -> str:
-        """The volume holding the tiny model, written by the stock image's own transformers."""
-        return ensure_model_volume(self.client, self.images["stock"], self.MOUNT, self.seed)
+    def ensure_models(self, geometries: set[str]) -> list[str]:
+        """The volumes holding the tiny models, written by the stock image's own transformers."""
+        return [ensure_model_volume(self.client, self.images["stock"], self.MOUNT, self.seed,
+                                    geometry) for geometry in sorted(geometries)]
 
     @contextlib.contextmanager
-    def start(self, side: str, mode: str) -> Iterator[Engine]:
-        command = engine_args(self.MOUNT, DockerEngine.PORT, mode, self.tp, self.kv_bytes)
+    def start(self, side: str, mode: str, prefix_caching: bool = True) -> Iterator[Engine]:
+        command = engine_args(self.MOUNT, DockerEngine.PORT, mode, self.tp, self.kv_bytes,
+                              prefix_caching, runs_eager(mode, self.on_cpu))
+        volume = self.volumes[GEOMETRY[mode]]
         box = Container(self.client, self.images[side], command,
                         entrypoint=["python3", *API_SERVER], env=engine_env(), network="none",
                         shm_size="4g", gpus=self.gpus, labels={LABEL_PROBE: "serve"},
-                        volumes={self.volume: {"bind": self.MOUNT, "mode": "ro"}})
+                        volumes={volume: {"bind": self.MOUNT, "mode": "ro"}})
         with box:
-            engine = DockerEngine(box, side, mode)
+            engine = DockerEngine(box, side, mode, prefix_caching)
             try:
                 booting = time.monotonic()
                 box.wait_until(lambda: True if engine.healthy() else None, BOOT_TIMEOUT,
@@ -237,7 +273,8 @@ class DockerRunner:
             finally:
                 self.logs.mkdir(parents=True, exist_ok=True)
                 with contextlib.suppress(OSError):  # never hides why the block ended
-                    (self.logs / f"{side}-{mode}.log").write_text(box.logs())
+                    (self.logs / f"{log_name(side, mode, prefix_caching)}.log").write_text(
+                        box.logs())
 
     def device(self, engine: Engine) -> str | None:
         if not self.gpus or not isinstance(engine, DockerEngine):
@@ -251,4 +288,4 @@ class DockerRunner:
     def describe(self) -> dict:
         return {"kind": self.kind, "docker_host": os.environ.get("DOCKER_HOST") or "default",
                 "images": self.image_ids, "gpus": self.gpus, "tp": self.tp,
-                "model_volume": self.volume, "docker_info": self.host_info}
+                "model_volumes": self.volumes, "docker_info": self.host_info}

@@ -49,7 +49,7 @@ from e2.probes.engines import DockerRunner, LocalRunner, Runner
 from e2.probes.serve_cases import run_side
 from e2.probes.serve_model import ensure_model
 from e2.probes.serve_report import conclude, header
-from e2.probes.serve_settings import FORMAT, MODES, SIDES, TP_SIZES
+from e2.probes.serve_settings import FORMAT, GEOMETRY, MODES, SIDES, TP_SIZES
 from e2.series import Project, Series
 from e2.testenv import prepare
 
@@ -64,14 +64,16 @@ def run_serve(options: GlobalOptions, probe: ServeOptions) -> int:
     if not probe.docker and (probe.stock_image or probe.e2_image or probe.gpus):
         raise E2Error("--stock-image, --e2-image and --gpus go with --docker")
     logs = project.state_dir / "logs" / "serve"
+    modes = tuple(m for m in MODES if m in (probe.modes or MODES))
+    geometries = {GEOMETRY[mode] for mode in modes}
     runner: Runner
     if probe.docker:
-        runner, model, name = _docker_runner(probe, project, series, logs)
+        runner, model, name = _docker_runner(probe, project, series, logs, geometries)
     else:
-        runner, model, name = _local_runner(probe, options.cache, project, series, logs)
-    plan: dict[str, int] = {}
-    modes = tuple(m for m in MODES if m in (probe.modes or MODES))
-    sides = {side: run_side(runner, side, plan, modes) for side in SIDES}
+        runner, model, name = _local_runner(probe, options.cache, project, series, logs,
+                                            geometries)
+    plans: dict[str, dict[str, int]] = {}
+    sides = {side: run_side(runner, side, plans, modes) for side in SIDES}
     record = {"format": FORMAT, "header": header(project, series, runner, model,
                                                 sides["stock"].get("device"), modes,
                                                 time.monotonic() - started),
@@ -81,21 +83,23 @@ def run_serve(options: GlobalOptions, probe: ServeOptions) -> int:
 
 
 def _local_runner(probe: ServeOptions, cache: Cache, project: Project, series: Series,
-                  logs: Path) -> tuple[LocalRunner, str, str]:
+                  logs: Path, geometries: set[str]) -> tuple[LocalRunner, str, str]:
     if probe.tp != 1:
         raise E2Error("--tp above 1 needs --docker (the local CPU engine runs one worker)")
     env, view = prepare(project, series, cache, "cpu", overlay=True)
     assert view is not None
-    model = ensure_model(env.python, cache)
+    models = {geometry: ensure_model(env.python, cache, geometry=geometry)
+              for geometry in sorted(geometries)}
     run_env = {"stock": env.run_env(None), "e2": env.run_env(view.path)}
-    runner = LocalRunner(env.python, view.path, run_env, model, logs, 1, probe.kv_cache_bytes)
-    return runner, str(model), "serve-cpu"
+    runner = LocalRunner(env.python, view.path, run_env, models, logs, 1, probe.kv_cache_bytes)
+    return runner, ", ".join(map(str, models.values())), "serve-cpu"
 
 
 def _docker_runner(probe: ServeOptions, project: Project, series: Series,
-                   logs: Path) -> tuple[DockerRunner, str, str]:
+                   logs: Path, geometries: set[str]) -> tuple[DockerRunner, str, str]:
     client = connect()  # first: an unreachable DOCKER_HOST fails before anything else
     images = engine_images(project, series, probe.stock_image, probe.e2_image)
     runner = DockerRunner(client, images, probe.gpus, probe.tp, logs, kv_bytes=probe.kv_cache_bytes)
-    volume = runner.ensure_model()
-    return runner, f"docker volume {volume}", "serve-gpu" if probe.gpus else "serve-docker"
+    volumes = runner.ensure_models(geometries)
+    return (runner, "docker volumes " + ", ".join(volumes),
+            "serve-gpu" if probe.gpus else "serve-docker")

@@ -6,6 +6,11 @@ and the kernel blocks below it; two requests sharing a long prefix (a
 prefix-cache hit); more concurrent requests than the KV pool holds
 (preemption and resume). Greedy, fixed ``max_tokens``, ``ignore_eos``;
 prompts are token ids.
+
+The align mode's cases (build_align_cases) run on the align geometry with
+prefills chunked by the token budget: long prompts whose chunks and ends fall
+off the state block, alone and beside short requests, then siblings that
+resume from the states those prefills cached.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ from e2 import console
 from e2.probes.engines import Engine, Runner
 from e2.probes.serve_metrics import inspect_engine, metrics
 from e2.probes.serve_settings import (
+    ALIGN_BATCHED_TOKENS,
+    ALIGN_MAX_MODEL_LEN,
     CPU_ASYNC_SKIP,
+    GEOMETRY,
     HOLD_S,
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
@@ -95,6 +103,41 @@ def build_cases(block: int, capacity: int, max_model_len: int = MAX_MODEL_LEN,
                       [_tokens(rng, short) for _ in range(MAX_NUM_SEQS)], short // 2,
                       concurrent=True, expect="more_running"))
     return cases
+
+
+def _siblings(rng: random.Random, prefix: list[int], cuts: list[int]) -> list[list[int]]:
+    """``prefix`` less its last ``cut`` tokens, then as many fresh ones, for each cut."""
+    return [prefix[:len(prefix) - cut] + _tokens(rng, cut) for cut in cuts]
+
+
+def build_align_cases(block: int, budget: int = ALIGN_BATCHED_TOKENS,
+                      max_model_len: int = ALIGN_MAX_MODEL_LEN, seed: int = SEED) -> list[Case]:
+    """The align mode's cases for a stock engine with this block size: prompts of
+    two budgets and a third (prefilled in three chunks or more, the last ending
+    inside a block), then their siblings, which share all but a tail of 9 to
+    400 tokens and so resume from whichever state each engine kept below it."""
+    rng = random.Random(seed + 1)
+    length = min(2 * budget + budget // 3 + 5, max_model_len - MAX_TOKENS)
+    if length <= block:
+        raise ValueError(f"align cases: a {length}-token prompt is not longer than "
+                         f"stock's block of {block}")
+    alone, beside = _tokens(rng, length), _tokens(rng, length)
+    short = [_tokens(rng, 32) for _ in range(8)]
+    cuts = [9, 40, 150, 400]
+    return [
+        Case("align-chunked", f"one prompt of {length} tokens, prefilled in chunks of at "
+             f"most {budget}", [alone], MAX_TOKENS),
+        Case("align-siblings", f"{len(cuts)} requests, one after the other, sharing all but "
+             f"the last {'/'.join(map(str, cuts))} tokens of that prompt",
+             _siblings(rng, alone, cuts), MAX_TOKENS, expect="prefix_hits"),
+        Case("align-beside-decodes", f"a {length}-token prompt beside {len(short)} of 32 "
+             "tokens: its chunks share the budget with their prefills and decodes",
+             [beside, *short], MAX_TOKENS, concurrent=True),
+        Case("align-siblings-concurrent", "8 requests at once sharing all but the last "
+             "5 to 292 tokens of that prompt", _siblings(rng, beside, [5 + 41 * k
+                                                                     for k in range(8)]),
+             MAX_TOKENS, concurrent=True, expect="prefix_hits"),
+    ]
 
 
 def _body(prompt: list[int] | list[list[int]], max_tokens: int,
@@ -184,35 +227,50 @@ def run_case(engine: Engine, case: Case) -> dict:
             if running else None}
 
 
-def run_side(runner: Runner, side: str, plan: dict[str, int],
+def run_side(runner: Runner, side: str, plans: dict[str, dict[str, int]],
              modes: tuple[str, ...] = MODES) -> dict:
-    """The modes asked for (both by default) on one side: its engines' reports and
-    each case's outputs.
+    """The modes asked for (all by default) on one side: its engines' reports and
+    each case's outputs. E2's align mode runs its cases twice, the second time
+    with prefix caching off (``no_prefix_caching``): the reference its tokens
+    must match.
 
-    ``plan`` holds the block size and KV capacity the cases are built for: the
-    first engine started fills it, so both sides run the same prompts even
-    where E2's blocks differ from stock's."""
+    ``plans`` holds, per model geometry, the block size and KV capacity the
+    cases are built for: the first engine started on it fills it, so both sides
+    run the same prompts even where E2's blocks differ from stock's."""
     result: dict = {"modes": {}}
     for mode in modes:
-        with contextlib.ExitStack() as stack:
-            with console.status(f"{side}: starting the engine ({mode} scheduling)"):
-                engine = stack.enter_context(runner.start(side, mode))
-            info = inspect_engine(engine)
-            console.info(f"{side} {mode}: healthy in {info.boot_s:.0f}s; block {info.block_size}"
-                         f", {info.kv_line}; async scheduling resolved: {info.async_resolved}")
-            entry: dict = {"engine": asdict(info)}
-            if "device" not in result and (device := runner.device(engine)):
-                result["device"] = device
-            if mode == "async" and info.async_resolved is not True:
-                entry["skipped"] = _async_skip_reason(runner, info.async_resolved)
-                console.info(f"{side} async: the engine resolved async_scheduling="
-                             f"{info.async_resolved}; async cases {entry['skipped']}")
-            else:
-                plan.setdefault("block", info.block_size)
-                plan.setdefault("capacity", info.kv_capacity_tokens)
-                entry["cases"] = _run_cases(engine, build_cases(plan["block"], plan["capacity"]))
-            result["modes"][mode] = entry
+        plan = plans.setdefault(GEOMETRY[mode], {})
+        entry = _run_engine(runner, side, mode, plan, result)
+        if mode == "align" and side == "e2":
+            entry["no_prefix_caching"] = _run_engine(runner, side, mode, plan, result,
+                                                     prefix_caching=False)
+        result["modes"][mode] = entry
     return result
+
+
+def _run_engine(runner: Runner, side: str, mode: str, plan: dict[str, int], result: dict,
+                prefix_caching: bool = True) -> dict:
+    label = f"{side} {mode}" + ("" if prefix_caching else " (no prefix caching)")
+    with contextlib.ExitStack() as stack:
+        with console.status(f"{label}: starting the engine"):
+            engine = stack.enter_context(runner.start(side, mode, prefix_caching))
+        info = inspect_engine(engine)
+        console.info(f"{label}: healthy in {info.boot_s:.0f}s; block {info.block_size}, "
+                     f"{info.kv_line}; async scheduling resolved: {info.async_resolved}")
+        entry: dict = {"engine": asdict(info)}
+        if "device" not in result and (device := runner.device(engine)):
+            result["device"] = device
+        if mode == "async" and info.async_resolved is not True:
+            entry["skipped"] = _async_skip_reason(runner, info.async_resolved)
+            console.info(f"{side} async: the engine resolved async_scheduling="
+                         f"{info.async_resolved}; async cases {entry['skipped']}")
+            return entry
+        plan.setdefault("block", info.block_size)
+        plan.setdefault("capacity", info.kv_capacity_tokens)
+        cases = (build_align_cases(plan["block"]) if mode == "align"
+                 else build_cases(plan["block"], plan["capacity"]))
+        entry["cases"] = _run_cases(engine, cases)
+        return entry
 
 
 def _async_skip_reason(runner: Runner, resolved: bool | None) -> str:

@@ -6,8 +6,10 @@ every request must be
 complete (its full ``max_tokens``), each case must have taken its path (a
 prefix-cache hit, stock's preemptions; E2 preempting no more than stock and,
 in the case of short requests, running more of them at once), and each side
-must be what it claims (E2's boot report on E2 only). A row with a problem
-fails the probe; async rows the engine turned off are skipped.
+must be what it claims (E2's boot report on E2 only). In the align mode E2's
+tokens must also agree with E2's own engine run with prefix caching off,
+which must take no prefix-cache hit. A row with a problem fails the probe;
+async rows the engine turned off are skipped.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class Row:
     problems: list[str] = field(default_factory=list)
     # requests whose greedy tokens parted at a near tie (parted_at_a_near_tie)
     close: int = 0
+    # E2 against itself with prefix caching off (align mode): "matched/requests"
+    reference: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -68,6 +72,8 @@ def compare(stock: dict, e2: dict) -> list[Row]:
                                 [f"only on {'stock' if e_case is None else 'e2'}"]))
                 continue
             row = _compare_case(mode, name, s_case, e_case, kv)
+            if "no_prefix_caching" in e_mode:
+                _compare_reference(row, e_case, e_mode["no_prefix_caching"])
             row.problems[:0], problems = problems, []  # identity problems once per mode
             rows.append(row)
         if problems:
@@ -84,6 +90,36 @@ def _identity(mode: str, s_mode: dict, e_mode: dict) -> list[str]:
         problems.append("the E2 engine did not log E2's boot report (vLLM E2 series ...): "
                         "the overlay is not in effect")
     return problems
+
+
+def _compare_reference(row: Row, e_case: dict, reference: dict) -> None:
+    """E2's tokens against E2's engine with prefix caching off, request by request:
+    a prefix hit must resume from the state the recomputation reaches. That
+    engine must really run without the cache: no hit, no E2 boot report lost."""
+    if not reference.get("engine", {}).get("e2_banner"):
+        row.problems.append("the E2 engine with prefix caching off did not log E2's boot "
+                            "report: the overlay is not in effect")
+    if reference.get("engine", {}).get("enable_prefix_caching"):
+        row.problems.append("the reference engine resolved prefix caching on")
+    r_case = reference.get("cases", {}).get(row.case)
+    if r_case is None:
+        row.problems.append("not run on E2 with prefix caching off")
+        return
+    if r_case.get("prefix_cache_hits", 0) > 0:
+        row.problems.append(f"e2 with prefix caching off: {r_case['prefix_cache_hits']} "
+                            "prefix-cache hit tokens")
+    matched = 0
+    for index, (e_req, r_req) in enumerate(zip(e_case["requests"], r_case["requests"])):
+        ids = e_req.get("token_ids")
+        if ids is not None and ids == r_req.get("token_ids") and complete(
+                r_req, r_case["max_tokens"]):
+            matched += 1
+            continue
+        first = _first_difference(r_req.get("token_ids") or [], ids or [])
+        if not parted_at_a_near_tie(r_req, e_req, first):
+            row.problems.append(f"request {index}: e2's token ids differ from position "
+                                f"{first} from e2's with prefix caching off")
+    row.reference = f"{matched}/{len(r_case['requests'])}"
 
 
 def _compare_case(mode: str, name: str, s_case: dict, e_case: dict, kv: dict) -> Row:

@@ -1,4 +1,4 @@
-"""The serve probe's model: tiny_model.py's seeded Qwen3-Next, written once per seed.
+"""The serve probe's models: tiny_model.py's seeded Qwen3-Next, written once per seed and geometry.
 
 Local engines read it from the cache directory, written by the test env's
 python; container engines read it from a Docker volume, written by the stock
@@ -26,21 +26,23 @@ if TYPE_CHECKING:
 WRITER = Path(__file__).resolve().parent / "tiny_model.py"
 
 
-def model_key(seed: int) -> str:
-    return hashlib.sha256(WRITER.read_bytes() + f"seed={seed}".encode()).hexdigest()[:12]
+def model_key(seed: int, geometry: str = "hybrid") -> str:
+    return hashlib.sha256(WRITER.read_bytes() + f"seed={seed} {geometry}".encode()
+                          ).hexdigest()[:12]
 
 
-def ensure_model(python: Path, cache: Cache, seed: int = SEED) -> Path:
+def ensure_model(python: Path, cache: Cache, seed: int = SEED, geometry: str = "hybrid") -> Path:
     """The tiny model in the cache, written once by ``python`` (torch + transformers)."""
-    model = cache.models / f"tiny-qwen3-next-{model_key(seed)}"
+    model = cache.models / f"tiny-qwen3-next-{geometry}-{model_key(seed, geometry)}"
     if (model / MARKER).is_file():
         return model
     model.parent.mkdir(parents=True, exist_ok=True)
     with Cache.lock(model):
         if (model / MARKER).is_file():
             return model
-        with console.status("writing the tiny model"):
-            done = subprocess.run([str(python), str(WRITER), str(model), "--seed", str(seed)],
+        with console.status(f"writing the tiny model ({geometry})"):
+            done = subprocess.run([str(python), str(WRITER), str(model), "--seed", str(seed),
+                                   "--geometry", geometry],
                                   capture_output=True, text=True, timeout=600,
                                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
         if done.returncode != 0:
@@ -52,22 +54,22 @@ def ensure_model(python: Path, cache: Cache, seed: int = SEED) -> Path:
     return model
 
 
-def volume_name(seed: int = SEED) -> str:
-    return f"e2-serve-model-{model_key(seed)}"
+def volume_name(seed: int = SEED, geometry: str = "hybrid") -> str:
+    return f"e2-serve-model-{geometry}-{model_key(seed, geometry)}"
 
 
 def ensure_model_volume(client: DockerClient, image: str, mount: str,
-                        seed: int = SEED) -> str:
-    """The Docker volume holding the tiny model, written by ``image``'s own transformers."""
-    volume = volume_name(seed)
+                        seed: int = SEED, geometry: str = "hybrid") -> str:
+    """The Docker volume holding a tiny model, written by ``image``'s own transformers."""
+    volume = volume_name(seed, geometry)
     client.volumes.create(volume, labels={LABEL_PROBE: "serve"})  # an existing one is kept
     script = WRITER.read_text() + "\n"
     code = (f"import os, sys\nif os.path.isfile('{mount}/{MARKER}'):\n"
             f"    print('model present'); sys.exit(0)\n"
             "ns = {'__name__': 'tiny_model'}\n"
             "exec(compile(" + repr(script) + ", 'tiny_model.py', 'exec'), ns)\n"
-            f"ns['write']('{mount}', {seed})\n")
-    with console.status(f"writing the tiny model into volume {volume}"):
+            f"ns['write']('{mount}', {seed}, {geometry!r})\n")
+    with console.status(f"writing the tiny model ({geometry}) into volume {volume}"):
         run_to_end(client, image, ["-c", code], "writing the tiny model",
                    entrypoint=["python3"], env={"HF_HUB_OFFLINE": "1"},
                    volumes={volume: {"bind": mount, "mode": "rw"}})

@@ -23,8 +23,16 @@ from e2 import console
 from e2.fsio import write_atomic
 from e2.probes.engines import Runner
 from e2.probes.serve_compare import Row, compare
-from e2.probes.serve_model import model_key
-from e2.probes.serve_settings import MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_TOKENS, SEED, SIDES
+from e2.probes.serve_settings import (
+    ALIGN_BATCHED_TOKENS,
+    ALIGN_KV_CACHE_BYTES,
+    ALIGN_MAX_MODEL_LEN,
+    MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
+    MAX_TOKENS,
+    SEED,
+    SIDES,
+)
 from e2.series import Project, Series, series_digest
 
 _TEMPLATES = jinja2.Environment(loader=jinja2.PackageLoader("e2", "templates"),
@@ -34,9 +42,8 @@ _TEMPLATES = jinja2.Environment(loader=jinja2.PackageLoader("e2", "templates"),
 
 def markdown(record: dict, rows: list[Row]) -> str:
     h = record["header"]
-    engines = [{"side": side, "mode": mode, **entry["engine"],
-                "e2_banner": entry["engine"].get("e2_banner") or "—"}
-               for side in SIDES for mode, entry in record["sides"][side]["modes"].items()]
+    engines = [{"side": side, "mode": mode, **engine, "e2_banner": engine.get("e2_banner") or "—"}
+               for side in SIDES for mode, engine in _engines(record["sides"][side])]
     whats = {n: c.get("what", "") for m in record["sides"]["stock"]["modes"].values()
              for n, c in m.get("cases", {}).items()}
     views = [_row_view(row, whats.get(row.case, "")) for row in rows]
@@ -44,6 +51,16 @@ def markdown(record: dict, rows: list[Row]) -> str:
     return _TEMPLATES.get_template("serve.md.j2").render(
         h=h, runner=json.dumps(h["runner_detail"], sort_keys=True), engines=engines,
         rows=views, problems=problems)
+
+
+def _engines(side: dict) -> list[tuple[str, dict]]:
+    """A side's engines by mode; E2's align reference as "align, no prefix caching"."""
+    engines = []
+    for mode, entry in side["modes"].items():
+        engines.append((mode, entry["engine"]))
+        if "no_prefix_caching" in entry:
+            engines.append((f"{mode}, no prefix caching", entry["no_prefix_caching"]["engine"]))
+    return engines
 
 
 def _row_view(row: Row, what: str) -> dict:
@@ -57,9 +74,11 @@ def _row_view(row: Row, what: str) -> dict:
 
 
 def _matched(row: Row) -> str:
-    """Exact matches of all, and those that parted only at a near tie."""
+    """Exact matches of all, those that parted only at a near tie, and (align
+    mode) E2's exact matches with its own engine run with prefix caching off."""
     close = f" (+{row.close} at a near tie)" if row.close else ""
-    return f"{row.matched}/{row.requests}{close}"
+    reference = f"; e2 vs e2 without prefix caching {row.reference}" if row.reference else ""
+    return f"{row.matched}/{row.requests}{close}{reference}"
 
 
 def conclude(record: dict, report_dir: Path | None, name: str) -> int:
@@ -83,9 +102,9 @@ def conclude(record: dict, report_dir: Path | None, name: str) -> int:
                       f"[{colour}]{row.verdict}[/]")
     console.out.print(table)
     for side in SIDES:
-        for mode, entry in record["sides"][side]["modes"].items():
-            console.out.print(f"{side} {mode}: {entry['engine']['kv_line']} (block "
-                              f"{entry['engine']['block_size']})", markup=False)
+        for mode, engine in _engines(record["sides"][side]):
+            console.out.print(f"{side} {mode}: {engine['kv_line']} (block "
+                              f"{engine['block_size']})", markup=False)
     for row in rows:
         for problem in row.problems:
             console.error(f"{row.mode} {row.case}: {problem}")
@@ -108,11 +127,13 @@ def header(project: Project, series: Series, runner: Runner, model: str, device:
                               if "images" in detail else None),
             "host": f"{platform.node()} ({platform.system()} {platform.machine()}, "
                     f"python {platform.python_version()})",
-            "device": device or _cpu_name(), "model": f"{model} (tiny Qwen3-Next, seed {SEED}, "
-                                       f"{model_key(SEED)})",
+            "device": device or _cpu_name(), "model": f"{model} (tiny Qwen3-Next, seed {SEED})",
             "settings": {"max_model_len": MAX_MODEL_LEN, "max_tokens": MAX_TOKENS,
                          "kv_cache_memory_bytes": runner.kv_bytes, "max_num_seqs": MAX_NUM_SEQS,
-                         "seed": SEED, "modes": list(modes)},
+                         "seed": SEED, "modes": list(modes),
+                         "align": {"max_model_len": ALIGN_MAX_MODEL_LEN,
+                                   "max_num_batched_tokens": ALIGN_BATCHED_TOKENS,
+                                   "kv_cache_memory_bytes": ALIGN_KV_CACHE_BYTES}},
             "command": _command_line(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(seconds, 1)}

@@ -16,7 +16,19 @@ MAX_NUM_SEQS = 32
 BOOT_TIMEOUT = 600
 HOLD_S = 2.0                       # a paused engine queues the concurrent requests this long
 REQUEST_TIMEOUT = 600
-MODES = ("sync", "async")
+# Each mode is one engine boot a side: sync and async scheduling on the hybrid
+# model; "align", sync scheduling on the align geometry (tiny_model.GEOMETRIES)
+# with prefills chunked at ALIGN_BATCHED_TOKENS, where E2's state block (256)
+# is finer than stock's block and larger than its own attention block, as on
+# the real models. E2 also runs the align cases with prefix caching off: its
+# tokens must match that engine's as well as stock's.
+MODES = ("sync", "async", "align")
+GEOMETRY = {"sync": "hybrid", "async": "hybrid", "align": "align"}
+ALIGN_MAX_MODEL_LEN = 2048
+# Not a multiple of 256 nor of stock's block (288 to 544): chunks end where
+# each engine's own alignment puts them, never where the budget alone would.
+ALIGN_BATCHED_TOKENS = 600
+ALIGN_KV_CACHE_BYTES = 24 << 20    # 20k tokens and more: the align cases never preempt
 SIDES = ("stock", "e2")
 CPU_ASYNC_SKIP = "not run on the CPU (the GPU host covers them)"
 FORMAT = 1
