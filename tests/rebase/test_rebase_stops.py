@@ -171,6 +171,44 @@ def test_continue_keeps_series_yaml_edits_made_while_stopped_or_refuses_them(cra
     assert yaml.safe_load(final)["upstream"]["version"] == "0.32.0"
 
 
+def test_abort_keeps_edits_made_while_stopped(crafted):
+    """The rebase writes series.yaml and patches/ only when it finishes: at a stop
+    they hold what a person wrote since, which --abort keeps and names."""
+    e2 = crafted
+    rebase_to_conflict(e2, "0.32.0", "--drop-obsolete")
+    edited = e2.series_text().replace("patches:", "# written while stopped\npatches:", 1)
+    e2.project.series_file.write_text(edited)
+    notes = e2.project.patches_dir / "NOTES.md"
+    notes.write_text("mine\n")
+    _, out, _ = e2("rebase", "--abort")
+    assert "kept as edited while it was stopped: series.yaml, patches" in out
+    assert e2.series_text() == edited and notes.read_text() == "mine\n"
+    assert not (e2.project.state_dir / "rebase").exists()
+
+
+def test_abort_after_the_rebase_wrote_its_files_keeps_the_edits_continue_carried(crafted):
+    """A kill while the rebase writes its files: --abort puts the backup back, with
+    the series.yaml edits --continue had taken over, and sets the half-written
+    files aside beside the reports rather than losing them."""
+    e2 = crafted
+    rebase_to_conflict(e2, "0.32.0", "--drop-obsolete")
+    resolve_keeping_both(e2)
+    before = e2.series_text()
+    edited = before.replace("patches:", "# written while stopped\npatches:", 1)
+    e2.project.series_file.write_text(edited)
+    result = e2_process(e2, "rebase", "--continue", "--verdict", "still-needed",
+                        "--reason", "r", fault="after-series")
+    assert result.returncode == -9
+    assert state(e2)["phase"] == "finishing"
+    half_written = e2.series_text()
+    assert "0.32.0" in half_written and half_written != edited
+    _, out, _ = e2("rebase", "--abort")
+    assert e2.series_text() == edited               # the backup plus the edits
+    assert "kept as edited while it was stopped: series.yaml" in out
+    aside = e2.project.state_dir / "rebase-reports" / "before-abort" / "series.yaml"
+    assert aside.read_text() == half_written
+
+
 def test_a_kill_right_after_git_am_continue_commits_resumes(crafted):
     e2 = crafted
     rebase_to_conflict(e2, "0.32.0", "--drop-obsolete")

@@ -17,7 +17,7 @@ from e2.rebase.result import finish
 from e2.rebase.resume import continue_rebase, skip
 from e2.rebase.state import VERDICTS, Phase, RebaseState
 from e2.rebase.steps import MISSING, apply_remaining, start
-from e2.rebase.workspace import Rebase
+from e2.rebase.workspace import GUARDED, Rebase
 from e2.series import Series
 from e2.verify import Check, verify
 
@@ -91,9 +91,12 @@ def _run_locked(options: GlobalOptions, request: RebaseOptions, rebase: Rebase) 
     if request.abort:
         if not rebase.in_progress():
             rebase.load()  # raises "no rebase in progress"
-        rebase.abort()
-        console.out.print("rebase aborted: series.yaml, patches/, overlay/ and Dockerfile "
-                          f"are as before (the last stop's report stays in {rebase.reports})",
+        kept = rebase.abort()
+        restored = [name for name in GUARDED if name not in kept]
+        console.out.print(f"rebase aborted: {', '.join(restored)} as before"
+                          + (f"; kept as edited while it was stopped: {', '.join(kept)}"
+                             if kept else "")
+                          + f" (the last stop's report stays in {rebase.reports})",
                           markup=False)
         return 0
     if request.onto is not None:

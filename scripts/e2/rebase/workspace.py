@@ -17,7 +17,7 @@ import git
 from e2.apply import UpstreamOptions
 from e2.errors import E2Error
 from e2.fsio import read_tree, replace_dir, write_atomic
-from e2.rebase.state import RebaseState
+from e2.rebase.state import Phase, RebaseState
 from e2.series import Project, Series, load_series
 
 GUARDED = ("series.yaml", "patches", "overlay", "Dockerfile")
@@ -112,10 +112,25 @@ class Rebase:
                           "everything back", hint=hint)
         return saved
 
-    def abort(self) -> None:
+    def abort(self) -> list[str]:
+        """Put the guarded files back as they were before the rebase; the names kept
+        as a person edited them while it was stopped.
+
+        The rebase writes them only once it finishes, so before that a file that
+        differs from the backup holds edits made while it was stopped: kept. Once
+        it was finishing (stopped by a failed verify, or killed while writing),
+        the backup comes back, series.yaml with the edits --continue carried
+        over; whatever else is overwritten is first copied to the reports."""
         self._check_backup()
+        finishing = self._finishing()
+        kept = []
         for name in GUARDED:
             saved, target = self.backup / name, self.project.root / name
+            if not finishing and self._same(saved, target) is False:
+                kept.append(name)
+                continue
+            if finishing and self._same(saved, target) is False:
+                self._set_aside(target)
             if saved.is_dir():
                 replace_dir(target, read_tree(saved))
             elif saved.is_file():
@@ -124,7 +139,41 @@ class Rebase:
                 target.unlink()  # the rebase created it
             elif target.is_dir():
                 shutil.rmtree(target)
+        edited = self.dir / "series-while-stopped.yaml"
+        if finishing and edited.is_file():
+            write_atomic(self.project.series_file, edited.read_bytes())
+            kept.append("series.yaml")
         shutil.rmtree(self.dir)
+        return kept
+
+    def _finishing(self) -> bool:
+        """Whether the rebase got to writing the guarded files; a state that cannot
+        be read counts as that (the backup then comes back, the rest set aside)."""
+        try:
+            return RebaseState.load(self.state_file).phase == Phase.FINISHING
+        except (E2Error, OSError, ValueError):
+            return True
+
+    @staticmethod
+    def _same(saved: Path, target: Path) -> bool | None:
+        """Whether ``target`` is as the backup holds it; None where neither exists."""
+        if not saved.exists() and not target.exists():
+            return None
+        if saved.is_dir() and target.is_dir():
+            return read_tree(saved) == read_tree(target)
+        if saved.is_file() and target.is_file():
+            return saved.read_bytes() == target.read_bytes()
+        return False
+
+    def _set_aside(self, target: Path) -> None:
+        """A copy of what --abort is about to overwrite, kept beside the reports."""
+        aside = self.reports / "before-abort" / target.name
+        shutil.rmtree(aside, ignore_errors=True)
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_dir():
+            shutil.copytree(target, aside)
+        elif target.is_file():
+            shutil.copy2(target, aside)
 
     def done(self) -> None:
         shutil.rmtree(self.dir)
