@@ -173,6 +173,9 @@ class CacheConfig:
     e2_attention_block_size: int | None = None
     """vLLM E2: the attention backend's smallest kernel block, recorded for
     hybrid models so attention slabs can be cut at it (VLLM_E2_STATE_POOL)."""
+    e2_upstream_kernel_block_size: int | None = None
+    """vLLM E2: the kernel block the backend runs upstream's hybrid attention
+    block at, which sets the width of upstream's block tables."""
     skip_page_size_padded: int | None = None
     """Optional override for the page size of layers skipped from KV cache
     quantization (``--kv-cache-dtype-skip-layers``); set during block-size
@@ -292,6 +295,7 @@ class CacheConfig:
             "enable_mamba_shared_prefix_checkpoint",
             "mamba_page_size_padded",
             "e2_attention_block_size",
+            "e2_upstream_kernel_block_size",
             "skip_page_size_padded",
             "user_specified_block_size",
             "user_specified_mamba_block_size",

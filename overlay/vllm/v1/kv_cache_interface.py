@@ -508,6 +508,9 @@ class AttentionSpec(KVCacheSpec):
     e2_natural_block_size: int | None = None
     """vLLM E2: the attention backend's smallest kernel block, carried from the
     workers to the planner for attention slabs (vllm/v1/core/state_pool)."""
+    e2_upstream_kernel_block_size: int | None = None
+    """vLLM E2: the kernel block the backend runs upstream's attention block at,
+    carried with it: upstream's block tables are that wide (state_pool)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -632,6 +635,7 @@ class FullAttentionSpec(AttentionSpec):
             state_content_bytes=specs[0].state_content_bytes,
             tokens_per_state=specs[0].tokens_per_state,
             e2_natural_block_size=specs[0].e2_natural_block_size,
+            e2_upstream_kernel_block_size=specs[0].e2_upstream_kernel_block_size,
             sliding_window=cls.merge_window_sizes(sliding_window),
             attention_chunk_size=cls.merge_window_sizes(attention_chunk_size),
             # If any layer in the group is non-causal, treat the group as
@@ -1513,6 +1517,10 @@ class KVCacheConfig:
     states_per_page: int = 1
     """vLLM E2: request states packed in one pool page (>1: a state slab, whose
     state tensors address ``num_blocks * states_per_page`` states)."""
+
+    slab_block_table_bytes: int = 0
+    """vLLM E2: the bytes the slab's finer blocks add to the workers' block
+    tables on each rank, taken from the KV cache budget (state_pool)."""
 
     @cached_property
     def transfer_group_ids(self) -> tuple[int, ...]:

@@ -676,6 +676,9 @@ class Attention(nn.Module, AttentionLayerBase):
                 kv_quant_mode=quant_mode,
                 # vLLM E2: the block attention slabs are cut at (state_pool).
                 e2_natural_block_size=vllm_config.cache_config.e2_attention_block_size,
+                e2_upstream_kernel_block_size=(
+                    vllm_config.cache_config.e2_upstream_kernel_block_size
+                ),
             )
 
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import torch
+
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     MambaSpec,
@@ -18,6 +21,7 @@ from vllm.v1.kv_cache_interface import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import AttentionBackend
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
 logger = init_logger(__name__)
@@ -145,6 +149,26 @@ def set_align_state_block(vllm_config: VllmConfig) -> None:
         cache_config.prefix_match_unit = cache_config.e2_attention_block_size
 
 
+def record_upstream_kernel_block(
+    vllm_config: VllmConfig, backend_cls: type[AttentionBackend]
+) -> None:
+    """The kernel block the backend runs upstream's hybrid attention block at,
+    chosen as the worker chooses it (select_common_block_size; FlashAttention
+    runs Qwen3.5-0.8B's 544 tokens as they are, FlashInfer as 17 blocks of 32):
+    upstream's block tables are that wide, and block_table_growth compares the
+    slab's with them."""
+    if config_ineligibility(vllm_config) is not None:
+        return
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.utils import select_common_block_size
+
+    cache_config = vllm_config.cache_config
+    with set_current_vllm_config(vllm_config):
+        cache_config.e2_upstream_kernel_block_size = select_common_block_size(
+            cache_config.block_size, [backend_cls]
+        )
+
+
 def cut_attention_slabs(
     vllm_config: VllmConfig,
     kv_cache_configs: list[KVCacheConfig],
@@ -152,7 +176,28 @@ def cut_attention_slabs(
 ) -> list[KVCacheConfig]:
     """Every rank's plan with attention slabs (cut_attention_slab), and the
     slab tail the budget's remainder holds on every rank (``spare_bytes``:
-    each rank's memory left below one more page; see slab_tail_blocks)."""
+    each rank's memory left below one more page; see slab_tail_blocks).
+
+    The workers allocate their block tables after the KV cache, outside its
+    budget, and the slab's finer blocks make them wider than upstream's
+    (block_table_growth: Qwen3.5-0.8B on FlashAttention at 262,144 tokens and
+    1,024 sequences, 124 MiB more, 137 MiB in `align` mode). That growth comes
+    out of the budget, so the engine stays within what upstream's would use:
+    from the remainder first, then from pages, the same number on every rank.
+    Under num_gpu_blocks_override the pages are the user's: nothing is taken."""
+    growth = [0] * len(kv_cache_configs)
+    if vllm_config.cache_config.num_gpu_blocks_override is None:
+        growth = [block_table_growth(vllm_config, c) for c in kv_cache_configs]
+    spare_bytes = [spare - g for spare, g in zip(spare_bytes, growth)]
+    if min(spare_bytes, default=0) < 0:
+        fewer = _fewer_pages(vllm_config, kv_cache_configs, spare_bytes)
+        if fewer is None:
+            logger.info_once(
+                "E2 state pool off: its block tables leave no page; "
+                "upstream's shared pool."
+            )
+            return [upstream_state_blocks(c) for c in kv_cache_configs]
+        kv_cache_configs, spare_bytes = fewer
     packed = [
         pack_states(vllm_config, cut_attention_slab(vllm_config, c))
         for c in kv_cache_configs
@@ -163,7 +208,103 @@ def cut_attention_slabs(
         (slab_tail_blocks(c, spare) for c, spare in zip(configs, spare_bytes)),
         default=0,
     )
-    return [add_slab_tail(c, tail) for c in configs] if tail else configs
+    configs = [add_slab_tail(c, tail) for c in configs] if tail else configs
+    return [
+        replace(c, slab_block_table_bytes=g) if g else c
+        for c, g in zip(configs, growth)
+    ]
+
+
+def _fewer_pages(
+    vllm_config: VllmConfig,
+    kv_cache_configs: list[KVCacheConfig],
+    spare_bytes: list[int],
+) -> tuple[list[KVCacheConfig], list[int]] | None:
+    """The ranks' plans re-planned with as many fewer pages as the most
+    overdrawn rank's ``spare_bytes`` needs, and the bytes each has left; None
+    where that leaves no page besides the null page."""
+    from vllm.v1.core.kv_cache_utils import (
+        _pool_bytes_per_block,
+        get_kv_cache_config_from_groups,
+    )
+
+    page_bytes = [_pool_bytes_per_block(c.kv_cache_groups) for c in kv_cache_configs]
+    fewer = max(
+        cdiv(-spare, page) for spare, page in zip(spare_bytes, page_bytes) if page
+    )
+    num_blocks = kv_cache_configs[0].num_blocks - fewer
+    if num_blocks < 2:
+        return None
+    configs = [
+        get_kv_cache_config_from_groups(
+            vllm_config, c.kv_cache_groups, num_blocks * page
+        )
+        if c.kv_cache_groups
+        else c
+        for c, page in zip(kv_cache_configs, page_bytes)
+    ]
+    return configs, [
+        spare + fewer * page for spare, page in zip(spare_bytes, page_bytes)
+    ]
+
+
+# Int32 block ids; Model Runner V2's BlockTables keeps two tables per group.
+BLOCK_ID_BYTES = torch.int32.itemsize
+BLOCK_TABLES_PER_GROUP = 2
+
+
+def block_table_growth(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    """Bytes the slab plan of ``kv_cache_config`` (an upstream plan) adds to a
+    rank's block tables over upstream's: attention at the natural block, and
+    in `align` mode states at the finer state block, take more entries per
+    request than upstream's one block of a state's size (0: upstream's pool)."""
+    if vllm_config.model_config is None:
+        return 0
+    slab = cut_attention_slab(vllm_config, kv_cache_config)
+    if slab_blocks_per_page(slab) == 1:
+        return 0
+    upstream = upstream_state_blocks(kv_cache_config)
+    return block_table_bytes(vllm_config, slab) - block_table_bytes(
+        vllm_config, upstream
+    )
+
+
+def block_table_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    """A rank's block tables for this plan as Model Runner V2 sizes them
+    (initialize_kv_cache, then BlockTables): per group, two int32 tables of
+    max_num_seqs rows on the device, the staged one and the gathered one the
+    forward reads, each row the group's blocks in kernel blocks. The rest of
+    BlockTables (staging, slot mappings) is sized by rows and tokens, not by
+    blocks; the V1 runner keeps one device table and a pinned host copy."""
+    from vllm.v1.worker.block_table import get_block_table_width
+
+    max_len = vllm_config.model_config.max_model_len
+    rows = vllm_config.scheduler_config.max_num_seqs
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        width = get_block_table_width(
+            spec.max_num_blocks_per_req(vllm_config, max_len),
+            spec.block_size,
+            _kernel_block_size(vllm_config, group),
+            token_alignment=spec.block_table_token_alignment,
+        )
+        total += BLOCK_TABLES_PER_GROUP * rows * width * BLOCK_ID_BYTES
+    return total
+
+
+def _kernel_block_size(vllm_config: VllmConfig, group: KVCacheGroupSpec) -> int:
+    """A slab's natural block is a kernel block, states are never split, and
+    upstream's attention block runs at record_upstream_kernel_block's (from
+    the specs the workers sent, else from this process's cache config)."""
+    spec = group.kv_cache_spec
+    if group.blocks_per_page > 1 or not isinstance(spec, AttentionSpec):
+        return spec.block_size
+    return (
+        spec.e2_upstream_kernel_block_size
+        or vllm_config.cache_config.e2_upstream_kernel_block_size
+        or spec.block_size
+    )
 
 
 def cut_attention_slab(
@@ -457,12 +598,14 @@ def log_slab_capacity(
     )
     m = kv_cache_config.states_per_page
     logger.info_once(
-        "vLLM E2 state pool: %s pages of %.2f MiB; attention up to %s tokens "
+        "vLLM E2 state pool: %s pages of %.2f MiB (%.1f MiB of the budget left "
+        "to the finer block tables); attention up to %s tokens "
         "(%d-token blocks, %d per page); request state %d %s%s, at most %s "
         "requests; maximum concurrency for %s tokens per request: %.2fx "
         "(state and attention counted)",
         f"{usable:,}",
         page_bytes / (1 << 20),
+        kv_cache_config.slab_block_table_bytes / (1 << 20),
         f"{attention_tokens:,}",
         natural,
         k,

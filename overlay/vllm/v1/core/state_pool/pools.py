@@ -276,7 +276,15 @@ class SlabPool(BlockPool):
         self.pages = pages
         self.blocks_per_page = blocks_per_page
         # Upstream's queue held every block; the slab starts with no page.
-        # Block 0 (in the page pool's null page 0) stays the null block.
+        # Block 0 (in the page pool's null page 0) stays the null block, and
+        # the rest of page 0 is never handed out. The V2 warmup numbers every
+        # group's blocks from 1, so its attention KV lands in blocks 1..k-1
+        # of page 0: harmless. Page 0 is every group's null block, as block 0
+        # is upstream's, where the groups' layers share each page's bytes and
+        # the runners already send the states of dummy runs there
+        # (get_dummy_block_tables zeroes their rows), and of padded rows
+        # (gather_block_tables, NULL_BLOCK_ID); a request's table points at
+        # page 0 only where nothing is read.
         for block in self.blocks:
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = _PagedFreeQueue(
