@@ -97,6 +97,12 @@ def emulate_cuda(capability: str) -> Any:
     import vllm.vllm_flash_attn.flash_attn_interface as fa_interface
 
     fa_interface.FA4_AVAILABLE, fa_interface.FA4_UNAVAILABLE_REASON = True, None
+    # The target's image has Triton, so vLLM picks its model runner as there
+    # (VllmConfig.use_v2_model_runner): the runner's block tables are part of
+    # what the planner budgets.
+    import vllm.config.vllm as config_module
+
+    config_module.HAS_TRITON = True  # type: ignore[attr-defined]
     return platform
 
 

@@ -185,6 +185,7 @@ def cut_attention_slabs(
     out of the budget, so the engine stays within what upstream's would use:
     from the remainder first, then from pages, the same number on every rank.
     Under num_gpu_blocks_override the pages are the user's: nothing is taken."""
+    original = kv_cache_configs
     growth = [0] * len(kv_cache_configs)
     if vllm_config.cache_config.num_gpu_blocks_override is None:
         growth = [block_table_growth(vllm_config, c) for c in kv_cache_configs]
@@ -198,6 +199,14 @@ def cut_attention_slabs(
             )
             return [upstream_state_blocks(c) for c in kv_cache_configs]
         kv_cache_configs, spare_bytes = fewer
+        if not _one_request_fits(vllm_config, kv_cache_configs):
+            # Upstream's plan passed its check; with pages gone to the tables
+            # a max_model_len request may no longer fit the slab.
+            logger.info_once(
+                "E2 state pool off: its block tables leave no room for one "
+                "max_model_len request; upstream's shared pool."
+            )
+            return [upstream_state_blocks(c) for c in original]
     packed = [
         pack_states(vllm_config, cut_attention_slab(vllm_config, c))
         for c in kv_cache_configs
@@ -232,7 +241,9 @@ def _fewer_pages(
     fewer = max(
         cdiv(-spare, page) for spare, page in zip(spare_bytes, page_bytes) if page
     )
-    num_blocks = kv_cache_configs[0].num_blocks - fewer
+    num_blocks = (
+        max(c.num_blocks for c in kv_cache_configs if c.kv_cache_groups) - fewer
+    )
     if num_blocks < 2:
         return None
     configs = [
@@ -248,9 +259,31 @@ def _fewer_pages(
     ]
 
 
-# Int32 block ids; Model Runner V2's BlockTables keeps two tables per group.
+def _one_request_fits(
+    vllm_config: VllmConfig, kv_cache_configs: list[KVCacheConfig]
+) -> bool:
+    """Whether every rank's slab plan still holds one max_model_len request."""
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    return all(
+        get_max_concurrency_for_kv_cache_config(
+            vllm_config, pack_states(vllm_config, cut_attention_slab(vllm_config, c))[0]
+        )
+        >= 1
+        for c in kv_cache_configs
+        if c.kv_cache_groups
+    )
+
+
+# Int32 block ids.
 BLOCK_ID_BYTES = torch.int32.itemsize
-BLOCK_TABLES_PER_GROUP = 2
+
+
+def block_tables_per_group(vllm_config: VllmConfig) -> int:
+    """Device tables a runner keeps per group: Model Runner V2's BlockTables
+    two (the staged one and the gathered one the forward reads), the V1
+    runner's MultiGroupBlockTable one (its pinned copy is host memory)."""
+    return 2 if vllm_config.use_v2_model_runner else 1
 
 
 def block_table_growth(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
@@ -270,16 +303,15 @@ def block_table_growth(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
 
 
 def block_table_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
-    """A rank's block tables for this plan as Model Runner V2 sizes them
-    (initialize_kv_cache, then BlockTables): per group, two int32 tables of
-    max_num_seqs rows on the device, the staged one and the gathered one the
-    forward reads, each row the group's blocks in kernel blocks. The rest of
-    BlockTables (staging, slot mappings) is sized by rows and tokens, not by
-    blocks; the V1 runner keeps one device table and a pinned host copy."""
+    """A rank's device block tables for this plan as the runner sizes them
+    (initialize_kv_cache): per group, block_tables_per_group int32 tables of
+    max_num_seqs rows, each row the group's blocks in kernel blocks. The rest
+    (staging, slot mappings) is sized by rows and tokens, not by blocks."""
     from vllm.v1.worker.block_table import get_block_table_width
 
     max_len = vllm_config.model_config.max_model_len
     rows = vllm_config.scheduler_config.max_num_seqs
+    tables = block_tables_per_group(vllm_config)
     total = 0
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -289,7 +321,7 @@ def block_table_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
             _kernel_block_size(vllm_config, group),
             token_alignment=spec.block_table_token_alignment,
         )
-        total += BLOCK_TABLES_PER_GROUP * rows * width * BLOCK_ID_BYTES
+        total += tables * rows * width * BLOCK_ID_BYTES
     return total
 
 
