@@ -13,7 +13,7 @@ UPSTREAM ?=
 E2_TEST_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/vllm-e2-tests
 
 .PHONY: install verify overlay render image pin base-cpu test lint test-driver test-image test-env seam \
-	upstream-tests validate probe-cpu capacity-baseline probe-gpu bench bench-driver \
+	upstream-tests validate probe-cpu capacity-baseline probe-gpu probe-gpu-full bench bench-driver \
 	bench-scheduler drift
 
 # pip install -e, skipped while $(PYTHON) already imports e2 from this checkout
@@ -99,8 +99,13 @@ test-driver: install
 test-image: install
 	E2_TEST_CACHE=$(E2_TEST_CACHE) $(PYTHON) -m pytest tests/image
 
-# Both probes against the images on the GPU host (docs/gpu-host.md).
+# The GPU gate against the images on the GPU host (docs/gpu-host.md): Qwen3.5-0.8B
+# with dummy weights, as served by default, stock vs E2 at TP 1 and 2 (about 10 min).
 probe-gpu: install
+	scripts/probe-gate.sh $(HOST)
+
+# The longer suite there: seam tests on CUDA tensors, both probes at TP (default 4).
+probe-gpu-full: install
 	scripts/probe-gpu.sh $(HOST)
 
 # Both benchmarks run even when the first misses its target; either miss fails.

@@ -2,7 +2,9 @@
 # Both probes, stock vs E2, against the engine images on the GPU host, and the
 # seam tests on CUDA tensors in the E2 image.
 #
-#   scripts/probe-gpu.sh ssh://user@gpu-host        (or: make probe-gpu HOST=ssh://user@gpu-host)
+#   scripts/probe-gpu.sh ssh://user@gpu-host        (or: make probe-gpu-full HOST=ssh://user@gpu-host)
+#
+# The gate each series change needs is the shorter scripts/probe-gate.sh (make probe-gpu).
 #
 # TP (default 4), BUDGET_GIB (KV budget per rank for the capacity planner,
 # default 8) and REPORT (default docs/validation) can be set in the environment.

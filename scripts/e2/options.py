@@ -183,6 +183,7 @@ class ServeOptions(EngineImageOptions):
     modes: tuple[str, ...] | None
     report: Path | None
     no_record: bool
+    gate_scale: float = 1.0
 
 
 @dataclass(frozen=True)

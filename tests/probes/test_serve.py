@@ -1,9 +1,10 @@
 """e2 probe serve on the CPU: real stock and E2 engines, token for token.
 
-One module-scoped run of the whole probe (four engine boots, about 90 s on
-two cores) feeds the checks; the failing controls re-judge that run's
-recorded results with a deliberately different E2 side, so they cost no
-third engine.
+One module-scoped run of the whole probe (seven engine boots: sync and
+async on each side, the align mode on each side and E2's align reference
+without prefix caching; 6 to 15 minutes on two cores, by their load) feeds
+the checks; the failing controls re-judge that run's recorded results with
+a deliberately different E2 side, so they cost no further engine.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from e2.probes.capacity_matrix import run_baseline
 from e2.probes.capacity_report import print_tables, probe_record, write_record
 from e2.probes.runtime import make_runtime
 from e2.probes.serve import run_serve
-from e2.probes.serve_settings import KV_CACHE_BYTES, MAX_MODEL_LEN, MODES
+from e2.probes.serve_settings import ALL_MODES, KV_CACHE_BYTES, MAX_MODEL_LEN
 
 CAPACITY_DESCRIPTION = ("Plan the KV cache of a model (config.json only, no weights) for a "
                "budget per rank with vLLM's planner as a CUDA boot on the target GPU "
@@ -145,11 +145,17 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each engine's KV cache (--kv-cache-memory-bytes; default "
                              f"{KV_CACHE_BYTES}: small, so the oversubscribed case preempts; "
                              f"must hold {MAX_MODEL_LEN} tokens)")
-    parser.add_argument("--mode", action="append", choices=MODES, dest="modes",
-                        help="mode to run (repeatable; default all: sync and async "
+    parser.add_argument("--mode", action="append", choices=ALL_MODES, dest="modes",
+                        help="mode to run (repeatable; default: sync and async "
                              "scheduling, and align, the chunked-prefill cases on a model whose "
                              "state block is finer than stock's; the CPU engine turns async "
-                             "off, so there its boot only confirms that)")
+                             "off, so there its boot only confirms that; gate and gate-fp8, "
+                             "only when named: Qwen3.5-0.8B with dummy weights, as served by "
+                             "default, the GPU gate of make probe-gpu)")
+    parser.add_argument("--gate-scale", type=float, default=1.0, metavar="F",
+                        help="gate modes on the CPU: every prompt length times F (0 < F <= 1), "
+                             "for a shorter run (default 1; below 0.4 stock's 640-token CPU "
+                             "block is longer than the shared prefix: no hits to compare)")
     parser.add_argument("--report", type=Path, metavar="DIR",
                         help="where the JSON and Markdown go (default docs/validation)")
     parser.add_argument("--no-record", action="store_true", help="print only")

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Protocol
 from e2.container import LABEL_PROBE, Container
 from e2.dockerhost import pull_if_missing
 from e2.errors import E2Error
+from e2.probes.runtime import STUBS
 from e2.probes.serve_client import client_source, http, post_all
+from e2.probes.serve_gate import GATE_MODEL, GATE_MODES, gate_engine_args, has_vision
 from e2.probes.serve_model import ensure_model_volume, volume_name
 from e2.probes.serve_settings import (
     ALIGN_BATCHED_TOKENS,
@@ -35,6 +37,7 @@ from e2.probes.serve_settings import (
     KV_CACHE_BYTES,
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
+    QUEUE_GAP_S,
     REQUEST_TIMEOUT,
     SEED,
     SERVED_NAME,
@@ -88,7 +91,8 @@ class Engine(Protocol):
 
     def get(self, path: str) -> str: ...
 
-    def post_all(self, bodies: list[dict], hold: float = 0.0, poll: float = 0.0) -> dict:
+    def post_all(self, bodies: list[dict], hold: float = 0.0, poll: float = 0.0,
+                 gap: float = QUEUE_GAP_S) -> dict:
         """serve_client.post_all's {"answers", "running"}, posted beside the engine."""
         ...
 
@@ -111,9 +115,17 @@ class Runner(Protocol):
 
 
 def runs_eager(mode: str, on_cpu: bool) -> bool:
-    """Every engine runs eager (--enforce-eager) but the align mode's on a GPU,
-    which captures CUDA graphs as a served engine does by default."""
-    return on_cpu or mode != "align"
+    """Every engine runs eager (--enforce-eager) but the align and gate modes' on a
+    GPU, which capture CUDA graphs as a served engine does by default."""
+    return on_cpu or mode not in ("align", *GATE_MODES)
+
+
+def mode_args(model: str, port: int, mode: str, tp: int, kv_bytes: int,
+              prefix_caching: bool, eager: bool, vision: bool = True) -> list[str]:
+    """A mode's ``vllm serve`` arguments: the gate's (serve_gate) or the tiny model's."""
+    if mode in GATE_MODES:
+        return gate_engine_args(model, port, mode, tp, prefix_caching, eager, vision=vision)
+    return engine_args(model, port, mode, tp, kv_bytes, prefix_caching, eager)
 
 
 def log_name(side: str, mode: str, prefix_caching: bool) -> str:
@@ -134,8 +146,9 @@ class LocalEngine(Engine):
     def get(self, path: str) -> str:
         return http(self.base, path, timeout=60)
 
-    def post_all(self, bodies: list[dict], hold: float = 0.0, poll: float = 0.0) -> dict:
-        return post_all(self.base, bodies, REQUEST_TIMEOUT, hold, poll)
+    def post_all(self, bodies: list[dict], hold: float = 0.0, poll: float = 0.0,
+                 gap: float = QUEUE_GAP_S) -> dict:
+        return post_all(self.base, bodies, REQUEST_TIMEOUT, hold, poll, gap)
 
     def log(self) -> str:
         return self.process.log()
@@ -154,15 +167,21 @@ class LocalRunner:
         self.run_env, self.kv_bytes = run_env, kv_bytes
 
     def command(self, side: str, mode: str, port: int, prefix_caching: bool = True) -> list[str]:
+        model = GATE_MODEL if mode in GATE_MODES else self.models[GEOMETRY[mode]]
         return [str(self.python), *API_SERVER,
-                *engine_args(str(self.models[GEOMETRY[mode]]), port, mode, self.tp,
-                             self.kv_bytes, prefix_caching)]
+                *mode_args(str(model), port, mode, self.tp, self.kv_bytes, prefix_caching,
+                           eager=True, vision=has_vision(model))]
 
     @contextlib.contextmanager
     def start(self, side: str, mode: str, prefix_caching: bool = True) -> Iterator[Engine]:
         port = free_port()
         env = {**self.run_env[side], **engine_env()}
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        if mode in GATE_MODES and not self._has_torchvision():
+            # vLLM's Qwen3.5 module imports torchvision; the CPU env has none, and the
+            # language model alone (--language-model-only) never calls into it
+            env["PYTHONPATH"] = os.pathsep.join(
+                [p for p in (env.get("PYTHONPATH"), str(STUBS)) if p])
         self.logs.mkdir(parents=True, exist_ok=True)
         command = self.command(side, mode, port, prefix_caching)
         with started(command, self.logs / f"{log_name(side, mode, prefix_caching)}.log", env,
@@ -171,6 +190,9 @@ class LocalRunner:
             engine.boot_s = process.wait_http(f"{engine.base}/health", BOOT_TIMEOUT,
                                               f"{side} engine ({mode})")
             yield engine
+
+    def _has_torchvision(self) -> bool:
+        return any(self.python.parent.parent.glob("lib/python*/site-packages/torchvision"))
 
     def device(self, engine: Engine) -> str | None:
         return None  # the header names this host's CPU
@@ -217,9 +239,11 @@ class DockerEngine(Engine):
             return False
         return True
 
-    def post_all(self, bodies: list[dict], hold: float = 0.0, poll: float = 0.0) -> dict:
+    def post_all(self, bodies: list[dict], hold: float = 0.0, poll: float = 0.0,
+                 gap: float = QUEUE_GAP_S) -> dict:
         answer = self._call({"op": "post", "base": self.base, "bodies": bodies,
-                             "timeout": REQUEST_TIMEOUT, "hold": hold, "poll": poll})
+                             "timeout": REQUEST_TIMEOUT, "hold": hold, "poll": poll,
+                             "gap": gap})
         return {"answers": answer["answers"], "running": answer["running"]}
 
     def log(self) -> str:
@@ -231,6 +255,7 @@ class DockerRunner:
 
     kind = "docker"
     MOUNT = "/model"
+    COMPILE_CACHE = "/e2-vllm-cache"
 
     def __init__(self, client: DockerClient, images: dict[str, str], gpus: str | None, tp: int,
                  logs: Path, seed: int = SEED, kv_bytes: int = KV_CACHE_BYTES):
@@ -255,13 +280,22 @@ class DockerRunner:
 
     @contextlib.contextmanager
     def start(self, side: str, mode: str, prefix_caching: bool = True) -> Iterator[Engine]:
-        command = engine_args(self.MOUNT, DockerEngine.PORT, mode, self.tp, self.kv_bytes,
-                              prefix_caching, runs_eager(mode, self.on_cpu))
-        volume = self.volumes[GEOMETRY[mode]]
+        command = mode_args(self.MOUNT, DockerEngine.PORT, mode, self.tp, self.kv_bytes,
+                            prefix_caching, runs_eager(mode, self.on_cpu),
+                            vision=has_vision(GATE_MODEL))
+        env, volumes, files = engine_env(), {}, {}
+        if mode in GATE_MODES:
+            # the config folder is copied in; vLLM's compile cache is kept per side
+            # in a volume, so a later run's engines skip torch.compile
+            files = {self.MOUNT: GATE_MODEL}
+            env["VLLM_CACHE_ROOT"] = self.COMPILE_CACHE
+            volumes = {f"e2-gate-vllm-cache-{side}": {"bind": self.COMPILE_CACHE, "mode": "rw"}}
+        else:
+            volumes = {self.volumes[GEOMETRY[mode]]: {"bind": self.MOUNT, "mode": "ro"}}
         box = Container(self.client, self.images[side], command,
-                        entrypoint=["python3", *API_SERVER], env=engine_env(), network="none",
+                        entrypoint=["python3", *API_SERVER], env=env, network="none",
                         shm_size="4g", gpus=self.gpus, labels={LABEL_PROBE: "serve"},
-                        volumes={volume: {"bind": self.MOUNT, "mode": "ro"}})
+                        volumes=volumes, files=files)
         with box:
             engine = DockerEngine(box, side, mode, prefix_caching)
             try:

@@ -47,9 +47,10 @@ from e2.image import engine_images
 from e2.options import GlobalOptions, ServeOptions
 from e2.probes.engines import DockerRunner, LocalRunner, Runner
 from e2.probes.serve_cases import run_side
+from e2.probes.serve_gate import GATE_MODEL, GATE_MODES, gate_settings
 from e2.probes.serve_model import ensure_model
 from e2.probes.serve_report import conclude, header
-from e2.probes.serve_settings import FORMAT, GEOMETRY, MODES, SIDES, TP_SIZES
+from e2.probes.serve_settings import ALL_MODES, FORMAT, GEOMETRY, MODES, SIDES, TP_SIZES
 from e2.series import Project, Series
 from e2.testenv import prepare
 
@@ -64,20 +65,29 @@ def run_serve(options: GlobalOptions, probe: ServeOptions) -> int:
     if not probe.docker and (probe.stock_image or probe.e2_image or probe.gpus):
         raise E2Error("--stock-image, --e2-image and --gpus go with --docker")
     logs = project.state_dir / "logs" / "serve"
-    modes = tuple(m for m in MODES if m in (probe.modes or MODES))
-    geometries = {GEOMETRY[mode] for mode in modes}
+    modes = tuple(m for m in ALL_MODES if m in (probe.modes or MODES))
+    geometries = {GEOMETRY[mode] for mode in modes if mode in GEOMETRY}
+    gate = any(mode in GATE_MODES for mode in modes)
+    if not 0 < probe.gate_scale <= 1:
+        raise E2Error(f"--gate-scale {probe.gate_scale}: a factor above 0, at most 1")
+    if gate and probe.gate_scale != 1.0 and probe.docker:
+        raise E2Error("--gate-scale is for a shorter run on the CPU: the GPU gate runs in full")
     runner: Runner
     if probe.docker:
         runner, model, name = _docker_runner(probe, project, series, logs, geometries)
     else:
         runner, model, name = _local_runner(probe, options.cache, project, series, logs,
                                             geometries)
-    plans: dict[str, dict[str, int]] = {}
-    sides = {side: run_side(runner, side, plans, modes) for side in SIDES}
-    record = {"format": FORMAT, "header": header(project, series, runner, model,
-                                                sides["stock"].get("device"), modes,
-                                                time.monotonic() - started),
-              "sides": sides}
+    plans: dict[str, dict] = {}
+    sides = {side: run_side(runner, side, plans, modes, probe.gate_scale) for side in SIDES}
+    record: dict = {"format": FORMAT, "sides": sides,
+                    "header": header(project, series, runner, model,
+                                     sides["stock"].get("device"), modes,
+                                     time.monotonic() - started)}
+    if gate:
+        record["header"]["settings"]["gate"] = gate_settings(probe.gate_scale)
+        record["header"]["model"] += f"; {GATE_MODEL.name} (dummy weights)"
+        name = name.replace("serve", "gate") + (f"-tp{probe.tp}" if probe.docker else "")
     report = None if probe.no_record else (probe.report or project.root / "docs" / "validation")
     return conclude(record, report, name)
 
@@ -90,9 +100,10 @@ def _local_runner(probe: ServeOptions, cache: Cache, project: Project, series: S
     assert view is not None
     models = {geometry: ensure_model(env.python, cache, geometry=geometry)
               for geometry in sorted(geometries)}
+    shown = [str(m) for m in models.values()]
     run_env = {"stock": env.run_env(None), "e2": env.run_env(view.path)}
     runner = LocalRunner(env.python, view.path, run_env, models, logs, 1, probe.kv_cache_bytes)
-    return runner, ", ".join(map(str, models.values())), "serve-cpu"
+    return runner, ", ".join(shown) or "no tiny model", "serve-cpu"
 
 
 def _docker_runner(probe: ServeOptions, project: Project, series: Series,
@@ -101,5 +112,5 @@ def _docker_runner(probe: ServeOptions, project: Project, series: Series,
     images = engine_images(project, series, probe.stock_image, probe.e2_image)
     runner = DockerRunner(client, images, probe.gpus, probe.tp, logs, kv_bytes=probe.kv_cache_bytes)
     volumes = runner.ensure_models(geometries)
-    return (runner, "docker volumes " + ", ".join(volumes),
+    return (runner, "docker volumes " + (", ".join(volumes) or "none"),
             "serve-gpu" if probe.gpus else "serve-docker")

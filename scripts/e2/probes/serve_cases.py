@@ -23,17 +23,28 @@ from dataclasses import asdict, dataclass
 
 from e2 import console
 from e2.probes.engines import Engine, Runner
+from e2.probes.serve_gate import (
+    FP8_CASES,
+    GATE_MODES,
+    GATE_QUEUE_GAP_S,
+    GATE_VOCAB,
+    REFERENCE_MODES,
+    log_errors,
+    scaled,
+)
 from e2.probes.serve_metrics import inspect_engine, metrics
 from e2.probes.serve_settings import (
     ALIGN_BATCHED_TOKENS,
     ALIGN_MAX_MODEL_LEN,
     CPU_ASYNC_SKIP,
+    GATE_FP8_CPU_SKIP,
     GEOMETRY,
     HOLD_S,
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
     MAX_TOKENS,
     MODES,
+    QUEUE_GAP_S,
     SEED,
     SERVED_NAME,
     TOP_LOGPROBS,
@@ -49,10 +60,11 @@ class Case:
     max_tokens: int
     concurrent: bool = False
     expect: str | None = None           # prefix_hits | preemptions: the path it must take
+    gap: float = QUEUE_GAP_S            # seconds between a concurrent case's requests
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, VOCAB) for _ in range(n)]
+def _tokens(rng: random.Random, n: int, vocab: int = VOCAB) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
 
 
 def edge_blocks(block: int) -> list[int]:
@@ -140,6 +152,48 @@ def build_align_cases(block: int, budget: int = ALIGN_BATCHED_TOKENS,
     ]
 
 
+def _gate_tokens(rng: random.Random, n: int) -> list[int]:
+    return _tokens(rng, n, GATE_VOCAB)
+
+
+def build_gate_cases(scale: float = 1.0, seed: int = SEED, mode: str = "gate") -> list[Case]:
+    """The gate's cases (serve_gate), the same on every engine: token ids below
+    Qwen3.5's special ones, prompt lengths times ``scale``."""
+    rng = random.Random(seed + 2)
+    long_prompt = _gate_tokens(rng, scaled(3000, scale))
+    prefix = _gate_tokens(rng, scaled(1800, scale))
+    short = [_gate_tokens(rng, scaled(16 + k, scale)) for k in range(32)]
+    family = [prefix + _gate_tokens(rng, scaled(60 + 47 * k, scale)) for k in range(8)]
+    siblings = [prefix + _gate_tokens(rng, scaled(25 + 61 * k, scale)) for k in range(8)]
+    cases = [
+        Case("gate-repeat", f"one prompt of {len(long_prompt)} tokens sent 4 times, one "
+             "after the other", [long_prompt] * 4, MAX_TOKENS, expect="prefix_hits"),
+        Case("gate-beside-decodes", f"{len(short)} short prompts ({len(short[0])} to "
+             f"{len(short[-1])} tokens) decoding while 8 prompts sharing a "
+             f"{len(prefix)}-token prefix prefill", [*short, *family], MAX_TOKENS,
+             concurrent=True, gap=GATE_QUEUE_GAP_S),
+        Case("gate-siblings", f"8 requests at once sharing that {len(prefix)}-token prefix, "
+             "new tails", siblings, MAX_TOKENS, concurrent=True, expect="prefix_hits",
+             gap=GATE_QUEUE_GAP_S),
+        Case("gate-mixed", "64 requests at once: 16 siblings of the long prompt, 16 of the "
+             "shared prefix, 32 fresh prompts of 8 tokens to "
+             f"{scaled(2500, scale)}", _mixed(rng, long_prompt, prefix, scale), MAX_TOKENS,
+             concurrent=True, expect="prefix_hits", gap=GATE_QUEUE_GAP_S),
+    ]
+    return [c for c in cases if mode != "gate-fp8" or c.name in FP8_CASES]
+
+
+def _mixed(rng: random.Random, long_prompt: list[int], prefix: list[int],
+           scale: float) -> list[list[int]]:
+    cut = [long_prompt[:len(long_prompt) - scaled(10 + 93 * k, scale)] for k in range(16)]
+    of_long = [p + _gate_tokens(rng, len(long_prompt) - len(p)) for p in cut]
+    of_prefix = [prefix + _gate_tokens(rng, scaled(5 + 113 * k, scale)) for k in range(16)]
+    fresh = [_gate_tokens(rng, max(8, scaled(2500, scale) * k // 31)) for k in range(32)]
+    prompts = of_long + of_prefix + fresh
+    rng.shuffle(prompts)
+    return prompts
+
+
 def _body(prompt: list[int] | list[list[int]], max_tokens: int,
           logprobs: bool = False) -> dict:
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
@@ -194,7 +248,8 @@ def run_case(engine: Engine, case: Case) -> dict:
         # they land in the engine's steps by timing, the schedule (and with it the
         # preemptions) differs from run to run, and bf16 numerics follow the batch.
         posted = engine.post_all([_body(p, case.max_tokens, logprobs=True)
-                                  for p in case.prompts], hold=HOLD_S, poll=RUNNING_POLL_S)
+                                  for p in case.prompts], hold=HOLD_S, poll=RUNNING_POLL_S,
+                                 gap=case.gap)
         answers, running = posted["answers"], RunningSamples(posted["running"])
         pairs = [(a, (a.get("choices") or [{}])[0]) for a in answers]
     else:
@@ -227,28 +282,32 @@ def run_case(engine: Engine, case: Case) -> dict:
             if running else None}
 
 
-def run_side(runner: Runner, side: str, plans: dict[str, dict[str, int]],
-             modes: tuple[str, ...] = MODES) -> dict:
+def run_side(runner: Runner, side: str, plans: dict[str, dict],
+             modes: tuple[str, ...] = MODES, gate_scale: float = 1.0) -> dict:
     """The modes asked for (all by default) on one side: its engines' reports and
-    each case's outputs. E2's align mode runs its cases twice, the second time
-    with prefix caching off (``no_prefix_caching``): the reference its tokens
-    must match.
+    each case's outputs. E2's align and gate modes run their cases twice, the
+    second time with prefix caching off (``no_prefix_caching``): the reference
+    its tokens must match.
 
     ``plans`` holds, per model geometry, the block size and KV capacity the
     cases are built for: the first engine started on it fills it, so both sides
-    run the same prompts even where E2's blocks differ from stock's."""
+    run the same prompts even where E2's blocks differ from stock's. The gate's
+    cases are fixed (serve_gate), their prompts scaled by ``gate_scale``."""
     result: dict = {"modes": {}}
     for mode in modes:
-        plan = plans.setdefault(GEOMETRY[mode], {})
+        if mode == "gate-fp8" and runner.on_cpu:
+            result["modes"][mode] = {"skipped": GATE_FP8_CPU_SKIP}
+            continue
+        plan = plans.setdefault(GEOMETRY.get(mode, mode), {"scale": gate_scale})
         entry = _run_engine(runner, side, mode, plan, result)
-        if mode == "align" and side == "e2":
+        if mode in REFERENCE_MODES and side == "e2":
             entry["no_prefix_caching"] = _run_engine(runner, side, mode, plan, result,
                                                      prefix_caching=False)
         result["modes"][mode] = entry
     return result
 
 
-def _run_engine(runner: Runner, side: str, mode: str, plan: dict[str, int], result: dict,
+def _run_engine(runner: Runner, side: str, mode: str, plan: dict, result: dict,
                 prefix_caching: bool = True) -> dict:
     label = f"{side} {mode}" + ("" if prefix_caching else " (no prefix caching)")
     with contextlib.ExitStack() as stack:
@@ -265,11 +324,16 @@ def _run_engine(runner: Runner, side: str, mode: str, plan: dict[str, int], resu
             console.info(f"{side} async: the engine resolved async_scheduling="
                          f"{info.async_resolved}; async cases {entry['skipped']}")
             return entry
-        plan.setdefault("block", info.block_size)
-        plan.setdefault("capacity", info.kv_capacity_tokens)
-        cases = (build_align_cases(plan["block"]) if mode == "align"
-                 else build_cases(plan["block"], plan["capacity"]))
+        if mode in GATE_MODES:
+            cases = build_gate_cases(plan["scale"], mode=mode)
+        else:
+            plan.setdefault("block", info.block_size)
+            plan.setdefault("capacity", info.kv_capacity_tokens)
+            cases = (build_align_cases(plan["block"]) if mode == "align"
+                     else build_cases(plan["block"], plan["capacity"]))
         entry["cases"] = _run_cases(engine, cases)
+        if mode in GATE_MODES:
+            entry["log_errors"] = log_errors(engine.log())
         return entry
 
 

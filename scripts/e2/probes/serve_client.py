@@ -41,7 +41,7 @@ def _read_running(base: str, poll: float, done: threading.Event, readings: list)
 
 
 def post_all(base: str, bodies: list, timeout: float = 600, hold: float = 0.0,
-             poll: float = 0.0) -> dict:
+             poll: float = 0.0, gap: float = 0.25) -> dict:
     """POST every body to /v1/completions at once (one thread each).
 
     Returns {"answers": one per body, in order, "running": readings of the running
@@ -51,7 +51,7 @@ def post_all(base: str, bodies: list, timeout: float = 600, hold: float = 0.0,
     milliseconds instead of a ``docker exec``.
 
     ``hold`` > 0: the engine is paused (dev mode's /pause?mode=keep queues new requests)
-    while the bodies go in, a quarter second apart (so they queue in order), and resumed
+    while the bodies go in, ``gap`` seconds apart (so they queue in order), and resumed
     ``hold`` seconds after the last: its scheduler sees every request at once, in the
     same order, and runs the same schedule on every run.
     """
@@ -81,7 +81,7 @@ def post_all(base: str, bodies: list, timeout: float = 600, hold: float = 0.0,
             for thread in threads:
                 thread.start()
                 if hold > 0:
-                    time.sleep(0.25)  # one at a time: the queue order is the prompts' order
+                    time.sleep(gap)  # one at a time: the queue order is the prompts' order
             if hold > 0:
                 time.sleep(hold)
         finally:
@@ -105,7 +105,8 @@ def _client_main() -> None:
                                                        timeout=call["timeout"])}))
         else:
             print(json.dumps({"ok": True, **post_all(
-                call["base"], call["bodies"], call["timeout"], call["hold"], call["poll"])}))
+                call["base"], call["bodies"], call["timeout"], call["hold"], call["poll"],
+                call.get("gap", 0.25))}))
     except Exception as exc:  # noqa: BLE001 - the probe decides what it means
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
 

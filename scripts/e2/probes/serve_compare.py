@@ -9,14 +9,16 @@ in the case of short requests, running more of them at once), and each side
 must be what it claims (E2's boot report on E2 only). In the align mode E2's
 tokens must also agree with E2's own engine run with prefix caching off,
 which must take no prefix-cache hit. A row with a problem fails the probe;
-async rows the engine turned off are skipped.
+async rows the engine turned off are skipped. The gate modes (serve_gate) add a
+row for E2's prefix-cache hits against stock's, and fail on a CUDA error logged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from e2.probes.serve_settings import MODES
+from e2.probes.serve_gate import GATE_MODES, REFERENCE_MODES, hit_problems
+from e2.probes.serve_settings import ALL_MODES
 
 
 def complete(request: dict, max_tokens: int) -> bool:
@@ -53,7 +55,7 @@ class Row:
 def compare(stock: dict, e2: dict) -> list[Row]:
     """Request-by-request, per mode and case; a row's problems make the probe fail."""
     rows = []
-    for mode in (m for m in MODES if m in stock["modes"] or m in e2["modes"]):
+    for mode in (m for m in ALL_MODES if m in stock["modes"] or m in e2["modes"]):
         s_mode, e_mode = stock["modes"].get(mode, {}), e2["modes"].get(mode, {})
         kv = {side: m.get("engine", {}).get("kv_line", "") for side, m in
               (("stock", s_mode), ("e2", e_mode))}
@@ -76,7 +78,13 @@ def compare(stock: dict, e2: dict) -> list[Row]:
                 _compare_reference(row, e_case, e_mode["no_prefix_caching"])
             row.problems[:0], problems = problems, []  # identity problems once per mode
             rows.append(row)
-        if problems:
+        if mode in REFERENCE_MODES and e_mode and "no_prefix_caching" not in e_mode:
+            problems.append("e2 did not run the cases with prefix caching off")
+        if mode in GATE_MODES:
+            shown, hit_issues = hit_problems(mode, s_mode, e_mode)
+            rows.append(Row(mode, "(prefix hits)", 0, {}, {}, 0, shown, kv, None,
+                            problems + hit_issues))
+        elif problems:
             rows.append(Row(mode, "(engines)", 0, {}, {}, 0, {}, kv, None, problems))
     return rows
 
@@ -86,7 +94,7 @@ def _identity(mode: str, s_mode: dict, e_mode: dict) -> list[str]:
     problems = []
     if s_mode.get("engine", {}).get("e2_banner"):
         problems.append("the stock engine logged E2's boot report: it is not stock vLLM")
-    if e_mode and not e_mode.get("engine", {}).get("e2_banner"):
+    if e_mode.get("engine") is not None and not e_mode["engine"].get("e2_banner"):
         problems.append("the E2 engine did not log E2's boot report (vLLM E2 series ...): "
                         "the overlay is not in effect")
     return problems

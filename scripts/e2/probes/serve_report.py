@@ -54,9 +54,12 @@ def markdown(record: dict, rows: list[Row]) -> str:
 
 
 def _engines(side: dict) -> list[tuple[str, dict]]:
-    """A side's engines by mode; E2's align reference as "align, no prefix caching"."""
+    """A side's engines by mode; E2's align reference as "align, no prefix caching";
+    none for a mode skipped before its boot (gate-fp8 on the CPU)."""
     engines = []
     for mode, entry in side["modes"].items():
+        if "engine" not in entry:
+            continue
         engines.append((mode, entry["engine"]))
         if "no_prefix_caching" in entry:
             engines.append((f"{mode}, no prefix caching", entry["no_prefix_caching"]["engine"]))

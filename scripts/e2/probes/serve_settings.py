@@ -23,6 +23,8 @@ REQUEST_TIMEOUT = 600
 # the real models. E2 also runs the align cases with prefix caching off: its
 # tokens must match that engine's as well as stock's.
 MODES = ("sync", "async", "align")
+# Not run unless asked for (--mode gate): Qwen3.5-0.8B's geometry (serve_gate).
+ALL_MODES = (*MODES, "gate", "gate-fp8")
 GEOMETRY = {"sync": "hybrid", "async": "hybrid", "align": "align"}
 ALIGN_MAX_MODEL_LEN = 2048
 # Not a multiple of 256 nor of stock's block (288 to 544): chunks end where
@@ -31,6 +33,9 @@ ALIGN_BATCHED_TOKENS = 600
 ALIGN_KV_CACHE_BYTES = 24 << 20    # 20k tokens and more: the align cases never preempt
 SIDES = ("stock", "e2")
 CPU_ASYNC_SKIP = "not run on the CPU (the GPU host covers them)"
+GATE_FP8_CPU_SKIP = "not run on the CPU (fp8 KV through FlashInfer is a CUDA path)"
+# Seconds between a concurrent case's requests as they queue at the paused engine.
+QUEUE_GAP_S = 0.25
 FORMAT = 1
 # Top tokens a concurrent case's requests return per position: where stock and E2
 # batch the requests differently, greedy tokens may part at a near tie (bf16 sums in
