@@ -30,19 +30,24 @@ from e2.gitops import (
     AM_FELL_BACK,
     DIFF_FLAGS,
     Hunk,
+    UnreadableObjects,
     clone_worktree,
     commit_diff,
     commit_summary,
     corrupt_files,
+    damaged_cache,
     git_am,
     open_worktree,
     out_of_space,
     parse_hunks,
     patch_id,
+    paths_of,
     refs_not_from,
     require_clean,
     stable_git,
     touched_files,
+    unreadable_in,
+    unreadable_objects,
     unseen_reflog_commits,
     worktree_base,
     write_record,
@@ -188,6 +193,11 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
         shutil.rmtree(staging, ignore_errors=True)
         if full:
             raise no_space(dest) from None
+        unreadable = unreadable_in(exc)
+        if unreadable:  # the cache's objects, not a patch
+            cache_repo = upstream.cache.repo_dir
+            raise damaged_cache(cache_repo, series.upstream.tag,
+                                paths_of(cache_repo, series.upstream.tag, unreadable)) from None
         raise
     _move_into_place(staging, dest)
     if failed is not None:
@@ -227,12 +237,7 @@ def _for_want_of_space(exc: BaseException, staging: Path) -> bool:
 def _refuse_damaged(repo: git.Repo, upstream: UpstreamOptions, series: Series) -> None:
     damaged = corrupt_files(repo)
     if damaged:
-        where = upstream.cache.repo_dir
-        raise E2Error(f"the cache's upstream repo {where} is damaged: "
-                      f"{', '.join(damaged[:3])}{' ...' if len(damaged) > 3 else ''} of "
-                      f"{series.upstream.tag} do not match their object ids",
-                      hint=f"remove {where} and run the command again (the pinned release "
-                           "is imported anew)")
+        raise damaged_cache(upstream.cache.repo_dir, series.upstream.tag, damaged)
 
 
 class ScratchTree:
@@ -368,6 +373,9 @@ def _apply_patches(repo: git.Repo, project: Project, patches: list[Patch],
         if out_of_space("\n".join(output), Path(repo.git_dir)):
             # a write that failed, not a patch: nothing to describe or keep
             raise no_space(str(repo.working_tree_dir))
+        unreadable = unreadable_objects("\n".join(output))
+        if unreadable:
+            raise UnreadableObjects(unreadable)
         failed = patches[max(current, 0)]
         repo.git.am("--quit")
         repo.git.reset("-q", "--hard", "HEAD")

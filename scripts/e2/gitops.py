@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Iterable
@@ -130,8 +131,68 @@ def clone_worktree(cache_repo: Path, dest: Path, tag: str,
         # the never-matching first pattern keeps an empty list from meaning "everything"
         repo.git.sparse_checkout("set", "--no-cone", "/.e2-none",
                                  *(f"/{path}" for path in sparse_paths))
-    repo.git.checkout("-q", "-b", BRANCH, f"refs/tags/{tag}")
+    try:
+        repo.git.checkout("-q", "-b", BRANCH, f"refs/tags/{tag}")
+    except git.GitCommandError as exc:
+        unreadable = unreadable_objects(str(exc.stderr))
+        if not unreadable:
+            raise
+        raise damaged_cache(cache_repo, tag, paths_of(cache_repo, tag, unreadable)) from None
     return repo
+
+
+# git's words for an object it cannot read (damaged or missing), with its id
+UNREADABLE_OBJECT = re.compile(
+    r"(?:is corrupt|unable to (?:read|unpack)|cannot read object|inflate|bad object|"
+    r"missing blob|"
+    r"invalid object)[^\n]*?\b([0-9a-f]{40})\b|\b([0-9a-f]{40})\b[^\n]*?is corrupt")
+
+
+def unreadable_objects(stderr: str) -> list[str]:
+    """The object ids git's error output says it could not read."""
+    found = dict.fromkeys(a or b for a, b in UNREADABLE_OBJECT.findall(stderr))
+    return list(found)
+
+
+class UnreadableObjects(Exception):
+    """git could not read these objects of the cache's repo (damaged or missing)."""
+
+    def __init__(self, shas: list[str]):
+        super().__init__(", ".join(shas))
+        self.shas = shas
+
+
+def unreadable_in(exc: BaseException) -> list[str]:
+    """The objects a failed git command (or UnreadableObjects) could not read."""
+    if isinstance(exc, UnreadableObjects):
+        return exc.shas
+    if isinstance(exc, git.GitCommandError):
+        return unreadable_objects(f"{exc.stderr}\n{exc.stdout}")
+    return []
+
+
+def paths_of(cache_repo: Path, tag: str, shas: list[str]) -> list[str]:
+    """The release's files stored under ``shas`` (the ids where no path is known:
+    the tree itself may be what is damaged)."""
+    try:
+        listing = git.Repo(cache_repo).git.ls_tree("-r", "-z", f"refs/tags/{tag}")
+    except git.GitCommandError:
+        return shas
+    paths = {}
+    for row in listing.split("\x00"):
+        if row:
+            info, path = row.split("\t", 1)
+            paths.setdefault(info.split()[2], path)
+    return [paths.get(sha, sha) for sha in shas]
+
+
+def damaged_cache(cache_repo: Path, tag: str, names: list[str]) -> E2Error:
+    """The one error for a cache repo whose objects for ``tag`` are damaged."""
+    shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+    return E2Error(f"the cache's upstream repo {cache_repo} is damaged: {shown} of {tag} "
+                   "cannot be read or do not match their object ids",
+                   hint=f"remove {cache_repo} and run the command again (the pinned "
+                        "release is imported anew)")
 
 
 def corrupt_files(repo: git.Repo) -> list[str]:

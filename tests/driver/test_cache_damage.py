@@ -12,9 +12,13 @@ import pytest
 from conftest import copy_real_patches
 
 
-@pytest.fixture
-def damaged_cache(e2, tmp_path):
-    """A copy of the tests' cache whose blob of vllm/envs.py (v0.31.0) holds other bytes."""
+DAMAGE = ("other content", "unreadable", "missing")
+
+
+@pytest.fixture(params=DAMAGE)
+def damaged_cache(e2, tmp_path, request):
+    """A copy of the tests' cache whose blob of vllm/envs.py (v0.31.0) holds other
+    content (valid, under the wrong id), bytes git cannot inflate, or is gone."""
     root = tmp_path / "cache"
     shutil.copytree(e2.cache.upstream_repo, root / e2.cache.upstream_repo.name, symlinks=True)
     for name in ("downloads", "lock"):
@@ -27,7 +31,12 @@ def damaged_cache(e2, tmp_path):
     path = root / e2.cache.upstream_repo.name / "objects" / blob.hexsha[:2] / blob.hexsha[2:]
     assert path.is_file()  # a loose object (the import writes them so)
     path.chmod(0o644)
-    path.write_bytes(zlib.compress(b"blob %d\x00" % len(data) + data))
+    if request.param == "other content":
+        path.write_bytes(zlib.compress(b"blob %d\x00" % len(data) + data))
+    elif request.param == "unreadable":
+        path.write_bytes(b"\x00not zlib" * 30)
+    else:
+        path.unlink()
     return root
 
 
@@ -40,4 +49,5 @@ def test_a_damaged_blob_is_named_and_nothing_applied(e2, damaged_cache, verb):
     assert f"the cache's upstream repo {damaged_cache / e2.cache.upstream_repo.name} " \
            "is damaged: vllm/envs.py" in said
     assert "patch 0001" not in said and "Traceback" not in said
+    assert "unexpected" not in said and "crash.log" not in said
     assert not e2.work.exists() and not e2.project.overlay_dir.exists()
