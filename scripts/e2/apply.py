@@ -4,7 +4,6 @@ overlay, verify, test and rebase; the verb is commands/apply.py)."""
 from __future__ import annotations
 
 import difflib
-import errno
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -31,22 +30,21 @@ from e2.gitops import (
     DIFF_FLAGS,
     Hunk,
     UnreadableObjects,
+    cache_damage,
     clone_worktree,
     commit_diff,
     commit_summary,
-    corrupt_files,
-    damaged_cache,
+    for_want_of_space,
     git_am,
     open_worktree,
     out_of_space,
     parse_hunks,
     patch_id,
-    paths_of,
     refs_not_from,
+    refuse_damaged,
     require_clean,
     stable_git,
     touched_files,
-    unreadable_in,
     unreadable_objects,
     unseen_reflog_commits,
     worktree_base,
@@ -159,16 +157,7 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
     for patch in patches:
         check_patch_file(project, patch)
     base_commit = upstream.ensure(series)
-    recover_dir(dest)  # an apply --force stopped between its two renames: the old one back
-    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
-        raise E2Error(f"{dest} exists and is not a directory",
-                      hint="choose another --out, or move that file away")
-    if dest.exists() and any(dest.iterdir()):
-        if not replace:
-            raise E2Error(f"{dest} already exists",
-                          hint="export what you changed there (e2 export --from DIR), then "
-                               "pass --force to replace it, or choose another --out")
-        _check_replaceable(project, dest, upstream.cache.repo_dir)
+    _check_destination(project, dest, replace, upstream.cache.repo_dir)
     staging, _ = staging_paths(dest)
     with space_named(dest.parent):
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +165,7 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
         with console.status(f"checking out {series.upstream.tag} into {dest}"):
             repo = clone_worktree(upstream.cache.repo_dir, staging, series.upstream.tag,
                                   touched_paths(project, patches) if sparse else None)
-        _refuse_damaged(repo, upstream, series)
+        refuse_damaged(repo, upstream.cache.repo_dir, series.upstream.tag)
         checkpoint("apply-cloned")
         failed: E2Error | None = None
         try:
@@ -189,15 +178,13 @@ def apply_series(project: Project, series: Series, dest: Path, upstream: Upstrea
         checkpoint("apply-applied")
     except BaseException as exc:  # interrupted or failed: leave the destination as it was
         # judged before the staging dir goes, which frees what the disk had left
-        full = _for_want_of_space(exc, staging)
+        full = for_want_of_space(exc, staging)
         shutil.rmtree(staging, ignore_errors=True)
         if full:
             raise no_space(dest) from None
-        unreadable = unreadable_in(exc)
-        if unreadable:  # the cache's objects, not a patch
-            cache_repo = upstream.cache.repo_dir
-            raise damaged_cache(cache_repo, series.upstream.tag,
-                                paths_of(cache_repo, series.upstream.tag, unreadable)) from None
+        damage = cache_damage(exc, upstream.cache.repo_dir, series.upstream.tag)
+        if damage is not None:  # the cache's objects, not a patch
+            raise damage from None
         raise
     _move_into_place(staging, dest)
     if failed is not None:
@@ -222,22 +209,19 @@ def _refuse_inexact(results: list[PatchResult], tag: str) -> None:
                            "context matches upstream")
 
 
-def _for_want_of_space(exc: BaseException, staging: Path) -> bool:
-    """Whether building the worktree in ``staging`` failed because its disk is full
-    (git seldom says so: a failed checkout or index write names no cause)."""
-    if isinstance(exc, NoSpace):
-        return True
-    if isinstance(exc, OSError):
-        return exc.errno == errno.ENOSPC
-    if isinstance(exc, git.GitCommandError):
-        return out_of_space(f"{exc.stderr}\n{exc.stdout}", staging)
-    return False
-
-
-def _refuse_damaged(repo: git.Repo, upstream: UpstreamOptions, series: Series) -> None:
-    damaged = corrupt_files(repo)
-    if damaged:
-        raise damaged_cache(upstream.cache.repo_dir, series.upstream.tag, damaged)
+def _check_destination(project: Project, dest: Path, replace: bool, cache_repo: Path) -> None:
+    """Refuse a ``dest`` that is not a directory, or holds work and ``replace`` is
+    not given or would lose some (after putting back an interrupted swap's old one)."""
+    recover_dir(dest)  # an apply --force stopped between its two renames: the old one back
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise E2Error(f"{dest} exists and is not a directory",
+                      hint="choose another --out, or move that file away")
+    if dest.exists() and any(dest.iterdir()):
+        if not replace:
+            raise E2Error(f"{dest} already exists",
+                          hint="export what you changed there (e2 export --from DIR), then "
+                               "pass --force to replace it, or choose another --out")
+        _check_replaceable(project, dest, cache_repo)
 
 
 class ScratchTree:

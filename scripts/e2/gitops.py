@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ import git
 from unidiff import PatchSet
 
 from e2.errors import E2Error
-from e2.fsio import nearly_full, write_atomic
+from e2.fsio import NoSpace, nearly_full, write_atomic
 
 # Diff options pinned in every command that writes or compares patches, so the
 # output never depends on the user's git config (abbrev, renames, prefixes).
@@ -162,13 +163,23 @@ class UnreadableObjects(Exception):
         self.shas = shas
 
 
-def unreadable_in(exc: BaseException) -> list[str]:
-    """The objects a failed git command (or UnreadableObjects) could not read."""
+def cache_damage(exc: BaseException, cache_repo: Path, tag: str) -> E2Error | None:
+    """The damaged_cache error for a failed git command (or UnreadableObjects) that
+    could not read objects of ``cache_repo``; None for any other failure."""
+    unreadable = []
     if isinstance(exc, UnreadableObjects):
-        return exc.shas
-    if isinstance(exc, git.GitCommandError):
-        return unreadable_objects(f"{exc.stderr}\n{exc.stdout}")
-    return []
+        unreadable = exc.shas
+    elif isinstance(exc, git.GitCommandError):
+        unreadable = unreadable_objects(f"{exc.stderr}\n{exc.stdout}")
+    return damaged_cache(cache_repo, tag, paths_of(cache_repo, tag, unreadable)) \
+        if unreadable else None
+
+
+def refuse_damaged(repo: git.Repo, cache_repo: Path, tag: str) -> None:
+    """Refuse a checkout whose files do not hash to their ids (corrupt_files)."""
+    damaged = corrupt_files(repo)
+    if damaged:
+        raise damaged_cache(cache_repo, tag, damaged)
 
 
 def paths_of(cache_repo: Path, tag: str, shas: list[str]) -> list[str]:
@@ -178,7 +189,7 @@ def paths_of(cache_repo: Path, tag: str, shas: list[str]) -> list[str]:
         listing = git.Repo(cache_repo).git.ls_tree("-r", "-z", f"refs/tags/{tag}")
     except git.GitCommandError:
         return shas
-    paths = {}
+    paths: dict[str, str] = {}
     for row in listing.split("\x00"):
         if row:
             info, path = row.split("\t", 1)
@@ -422,3 +433,15 @@ def touched_files(patch_text: str) -> list[tuple[str, str]]:
         if patched_file.is_rename:
             result.append((patched_file.source_file.removeprefix("a/"), "removed"))
     return result
+
+
+def for_want_of_space(exc: BaseException, staging: Path) -> bool:
+    """Whether building the worktree in ``staging`` failed because its disk is full
+    (git seldom says so: a failed checkout or index write names no cause)."""
+    if isinstance(exc, NoSpace):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOSPC
+    if isinstance(exc, git.GitCommandError):
+        return out_of_space(f"{exc.stderr}\n{exc.stdout}", staging)
+    return False

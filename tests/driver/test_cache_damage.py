@@ -11,7 +11,6 @@ import pytest
 
 from conftest import copy_real_patches
 
-
 DAMAGE = ("other content", "unreadable", "missing")
 
 
