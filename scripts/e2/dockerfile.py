@@ -15,6 +15,7 @@ import tarfile
 from pathlib import Path
 
 import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from e2.errors import E2Error
 from e2.fsio import write_atomic
@@ -40,8 +41,9 @@ def _pycache(path: str) -> str:
 
 
 def render_dockerfile(project: Project, series: Series, manifest: dict) -> str:
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                             autoescape=False)
+    # sandboxed: the template reads the names it is given, never Python's internals
+    env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined,
+                                        keep_trailing_newline=True, autoescape=False)
     template_path = project.root / TEMPLATE
     if not template_path.is_file():
         raise E2Error(f"{template_path}: no such file (the Dockerfile template)")

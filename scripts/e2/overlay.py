@@ -82,13 +82,17 @@ def plan_overlay(series: Series, project: Project, tree: AppliedTree) -> Overlay
     repo = tree.repo
     patch_of_commit = {r.commit: r.patch.id for r in tree.results}
     touched: dict[str, list[str]] = {}
-    log = repo.git.log("--reverse", "--no-renames", "--format=%x00%H", "--name-status",
+    moded: dict[str, list[str]] = {}  # the patches that change a path's mode or kind
+    log = repo.git.log("--reverse", "--no-renames", "--format=%x00%H", "--raw",
                        f"{tree.base_commit}..HEAD")
     for chunk in log.split("\x00")[1:]:
         commit, *entries = chunk.strip().splitlines()
-        for entry in filter(None, entries):
-            kind, path = entry.split("\t", 1)
+        for entry in filter(None, entries):  # ":<old mode> <new mode> <ids> <kind>\t<path>"
+            fields, path = entry.split("\t", 1)
             touched.setdefault(path, []).append(patch_of_commit[commit])
+            old_mode, new_mode = fields.lstrip(":").split()[:2]
+            if _unfit_mode(old_mode, new_mode):
+                moded.setdefault(path, []).append(patch_of_commit[commit])
     refused = [(path, ids, reason) for path, ids in touched.items()
                if (reason := compiled_reason(path))]
     if refused:
@@ -99,7 +103,7 @@ def plan_overlay(series: Series, project: Project, tree: AppliedTree) -> Overlay
                       "dependencies stay as built):\n  " + "\n  ".join(lines),
                       hint="express the change in Python under vllm/, or build a full "
                            "wheel instead of an overlay")
-    status = _package_changes(repo, tree.base_commit, touched)
+    status = _package_changes(repo, tree.base_commit, moded or touched)
     base = repo.commit(tree.base_commit).tree
     head = repo.head.commit.tree
     files, deleted = [], []
@@ -126,9 +130,10 @@ def plan_overlay(series: Series, project: Project, tree: AppliedTree) -> Overlay
     return OverlayPlan(tuple(files), tuple(deleted), manifest)
 
 
-def _package_changes(repo: git.Repo, base: str, touched: dict[str, list[str]]) -> dict[str, str]:
+def _package_changes(repo: git.Repo, base: str, blamed: dict[str, list[str]]) -> dict[str, str]:
     """Each path under vllm/ the series changes, with git's kind (A, M, D); a symbolic
-    link, a submodule or a mode change is refused: an overlay carries contents only."""
+    link, a submodule or a mode change is refused, naming the patches in ``blamed``:
+    an overlay carries contents only."""
     status, unfit = {}, []
     raw = repo.git.diff("--no-renames", "--raw", "-z", base, "HEAD", "--",
                         PACKAGE).split("\x00")
@@ -137,13 +142,13 @@ def _package_changes(repo: git.Repo, base: str, touched: dict[str, list[str]]) -
         status[path] = kind
         problem = _unfit_mode(old_mode, new_mode)
         if problem:
-            unfit.append(f"{path} (patch {', '.join(dict.fromkeys(touched.get(path, [])))}: "
+            unfit.append(f"{path} (patch {', '.join(dict.fromkeys(blamed.get(path, [])))}: "
                          f"{problem})")
     if unfit:
         raise E2Error("the series changes what an overlay of plain files cannot carry (the "
                       "overlay copies file contents only):\n  " + "\n  ".join(unfit),
-                      hint="keep the file a regular, non-executable file with its upstream "
-                           "mode, and change its contents instead")
+                      hint="keep the file a regular file with its upstream mode (a new "
+                           "file not executable), and change its contents instead")
     return status
 
 

@@ -184,8 +184,27 @@ def test_symlinks_and_mode_changes_are_refused_not_flattened(e2, kind, what):
     _, _, err = e2("overlay", expect=1)
     assert "the series changes what an overlay of plain files cannot carry" in err
     assert f"{path} (patch " in err and what in err
+    # only the patch that made the change is named, not others touching the file
+    assert f"{path} (patch {e2.project.load().patches[-1].id}: " in err
     assert "Traceback" not in err
     assert not e2.project.overlay_dir.exists()
+
+
+def test_a_mode_change_names_the_patch_that_made_it(e2):
+    """Another patch edited the file's contents first: only the mode's is named."""
+    e2("apply")
+    repo = e2.worktree()
+    envs = e2.work / "vllm/envs.py"
+    envs.write_text(envs.read_text() + "# E2: a content change\n")
+    repo.git.commit("-qam", "contents")
+    commit_mode_change(e2, "not-executable")
+    e2("export", expect=1)
+    for number in range(2):
+        e2.fill_metadata(None, f"VLLM_E2_MODE_{number}")
+    first, second = (p.id for p in e2.project.load().patches[-2:])
+    _, _, err = e2("overlay", expect=1)
+    assert f"vllm/envs.py (patch {second}: changes its mode 100755 -> 100644)" in err
+    assert f"patch {first}" not in err
 
 
 def test_a_retitled_patch_puts_e2_series_json_out_of_sync(e2):
