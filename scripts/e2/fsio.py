@@ -127,6 +127,14 @@ def remove_aside(path: Path) -> str | None:
     return None
 
 
+def set_aside(target: Path) -> Path | None:
+    """Where an interrupted ``replace_dir`` of ``target`` left the old tree (between
+    its two renames, ``target`` missing), or None; recover_dir puts it back."""
+    _, old = _staging(target)
+    missing = not (target.exists() or target.is_symlink())
+    return old if missing and (old.exists() or old.is_symlink()) else None
+
+
 def recover_dir(target: Path) -> None:
     """Finish or undo a ``replace_dir`` that was interrupted."""
     new, old = _staging(target)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from e2.dockerfile import dockerfile_drift, has_dockerfile
 from e2.errors import E2Error
-from e2.fsio import read_tree
+from e2.fsio import read_tree, set_aside
 from e2.overlay import sync_problems, synced_manifest
 from e2.rebase import rebase_in_progress
 from e2.series import Project, Series, series_digest
@@ -33,6 +33,13 @@ def collect(project: Project, series: Series, cache: UpstreamCache) -> dict:
         except E2Error as exc:
             problems.append(exc.message)
     overlay_files = [p for p in read_tree(project.overlay_dir) if p != "MANIFEST.json"]
+    for target, verbs in ((project.default_worktree, "e2 apply or e2 export"),
+                          (project.overlay_dir, "e2 overlay")):
+        aside = set_aside(target)
+        if aside:
+            problems.append(f"{target.relative_to(project.root)} is missing: an interrupted "
+                            f"replacement left it at {aside.relative_to(project.root)}, which "
+                            f"the next {verbs} puts back")
     rebase = rebase_in_progress(project)
     if rebase:
         problems.append(rebase)

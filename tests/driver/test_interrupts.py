@@ -66,6 +66,9 @@ def test_apply_force_stopped_keeps_the_old_worktree_and_reruns(e2, at, signal):
     else:  # stopped between the two renames: the old one set aside whole, never deleted
         assert at == "apply-swapping" and staging.is_dir()
         assert git.Repo(aside).head.commit.hexsha == head
+        _, out, _ = e2("status", expect=1)  # not "in sync" while it is missing
+        assert ".e2/work is missing: an interrupted replacement left it at .e2/.work.old, " \
+               "which the next e2 apply or e2 export puts back" in " ".join(out.split())
     if signal == "INT" and at != "apply-swapping":
         assert not staging.exists()
 
