@@ -89,3 +89,22 @@ def test_image_render_needs_no_git(tmp_path):
                             str(tmp_path / "cache"), "image", "render")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "Dockerfile already up to date\n"
+
+
+def test_a_ctrl_c_while_the_modules_load_says_interrupted():
+    """A real SIGINT sent as the command starts importing the driver (e2.cli and
+    all it loads): one line and exit 130, as while a verb runs, no traceback."""
+    starts = (
+        "import builtins, os, signal\n"
+        "real = builtins.__import__\n"
+        "def importing(name, *args, **kwargs):\n"
+        "    if name == 'e2.cli':\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real(name, *args, **kwargs)\n"
+        "builtins.__import__ = importing\n"
+        "from e2.entry import main\n"
+        "raise SystemExit(main())\n")
+    result = subprocess.run([sys.executable, "-c", starts], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 130
+    assert result.stderr.strip() == "error: interrupted"
