@@ -118,8 +118,14 @@ def test_capacity_boot_reads_the_kv_line_of_both_images(project, cpu_base, docke
     stock, e2 = sides["stock"]["boot"], sides["e2"]["boot"]
     assert (stock["image"], e2["image"]) == (BASE, E2_TAG)
     assert stock["kv_line"].startswith("CPU KV cache size: ")
-    e2_tokens = 167_731 if cpu_has_avx512_bf16() else 190_650
-    assert (stock["tokens"], e2["tokens"]) == (149_796, e2_tokens)
+    assert stock["tokens"] == 149_796
+    if cpu_has_avx512_bf16():
+        assert e2["tokens"] == 167_669  # 167,731 before the finer block tables' charge
+    else:
+        # 190,650 measured before 0002 took its finer block tables from the KV budget,
+        # not re-measured on such a host since: the charge (8 rows of 32-token blocks,
+        # about a kilobyte) takes at most a few 32-token tail blocks
+        assert 190_650 - 4 * 32 <= e2["tokens"] <= 190_650
     assert not docker_client.containers.list(all=True,
                                              filters={"label": "org.vllm-e2.probe=capacity-boot"})
 

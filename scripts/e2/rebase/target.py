@@ -5,6 +5,7 @@ from __future__ import annotations
 from e2 import console
 from e2.apply import UpstreamOptions
 from e2.errors import E2Error
+from e2.rebase.state import Phase
 from e2.rebase.workspace import Rebase
 from e2.series import RELEASE_VERSION, Project, Upstream
 from e2.upstream import find_sdist, local_version, sha256_file
@@ -45,6 +46,14 @@ def resolve_target(onto: str, current: Upstream, upstream: UpstreamOptions) -> U
                     if current.git else None)
 
 
+# Why a rebase stands at a patch, by its phase (a patch's own status says only
+# "conflict" for each of these stops).
+STOPPED_FOR = {Phase.CONFLICT: "conflicts to resolve",
+               Phase.OBSOLETE: "it applies in reverse: already upstream?",
+               Phase.REPLAY: "a recorded resolution no longer applies",
+               Phase.MISSING_NAME: "it uses a vllm name the release lacks"}
+
+
 def rebase_in_progress(project: Project) -> str | None:
     """One line for e2 status when a rebase is stopped (or was killed) half way."""
     rebase = Rebase(project, None)
@@ -55,7 +64,8 @@ def rebase_in_progress(project: Project) -> str | None:
     except E2Error as exc:
         return f"a rebase is in progress, its state is damaged: {exc.message}"
     current = state.current()
-    where = (f"stopped at {current.id} {current.title} ({current.status.value})" if current
-             else "writing its result")
+    why = STOPPED_FOR.get(state.phase, current.status.value) if current else ""
+    where = f"stopped at {current.id} {current.title} ({why})" if current else \
+        "writing its result"
     return (f"a rebase from {state.source['tag']} onto {state.target['tag']} is in "
             f"progress, {where} (e2 rebase --continue, --skip or --abort)")
