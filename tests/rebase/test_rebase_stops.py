@@ -288,7 +288,7 @@ def test_a_missing_name_stops_the_rebase_until_it_resolves(crafted):
     assert "e2 rebase --continue" in out and "--abort" in out
     assert state(e2)["phase"] == "missing-name" and statuses(e2)[:2] == ["conflict", "pending"]
     _, out, _ = e2("status", expect=1)
-    assert "stopped at 0001 scalar_type (it uses a vllm name the release lacks)" in out
+    assert "stopped at 0001 scalar_type: clean (it uses a vllm name the release lacks)" in out
     data = json.loads((e2.root / REPORTS / "0.31.0-to-0.33.0.json").read_text())
     assert data["state"] == "stopped at 0001 (missing-name)"
     assert any(s["kind"] == "missing-name" and s["patch"] == "0001"
