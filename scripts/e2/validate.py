@@ -56,13 +56,17 @@ DEFAULT_SUITES = (
     "tests/v1/engine/test_parallel_sampling.py",
 )
 # What CI runs of them (`--ci`): the files closest to the KV pool (sizing, block
-# frees, per-type managers) and the switch registry, sized to keep `.ci/run` in
-# its time budget; `make validate` runs DEFAULT_SUITES in full.
+# frees, per-type managers), the mamba `align` split and checkpoints the series
+# hooks (upstream's tests call the split on a stub scheduler), and the switch
+# registry, sized to keep `.ci/run` in its time budget; `make validate` runs
+# DEFAULT_SUITES in full.
 CI_SUITES = (
     "tests/test_envs.py",
     "tests/v1/core/test_kv_cache_utils.py",
     "tests/v1/core/test_deferred_block_free.py",
     "tests/v1/core/test_single_type_kv_cache_manager.py",
+    "tests/v1/core/test_mamba_align_chunk_split.py",
+    "tests/v1/core/prefix_cache/test_mamba_eagle_resume_checkpoint.py",
 )
 SEAM_TIMEOUT = 120
 UPSTREAM_TIMEOUT = 300

@@ -437,16 +437,20 @@ class Scheduler(SchedulerInterface):
         if start >= prefill_end:
             return num_new_tokens
 
+        block_size = self.cache_config.block_size
         # vLLM E2: the plan's state block; cache_config.block_size is the
-        # finest group's (attention) under VLLM_E2_STATE_POOL.
-        block_size = next(
-            (
-                group.kv_cache_spec.block_size
-                for group in self.kv_cache_config.kv_cache_groups
-                if isinstance(group.kv_cache_spec, MambaSpec)
-            ),
-            self.cache_config.block_size,
-        )
+        # finest group's (attention) under VLLM_E2_STATE_POOL. Upstream's
+        # tests call this on a stub with no plan: upstream's block there.
+        plan = getattr(self, "kv_cache_config", None)
+        if plan is not None:
+            block_size = next(
+                (
+                    group.kv_cache_spec.block_size
+                    for group in plan.kv_cache_groups
+                    if isinstance(group.kv_cache_spec, MambaSpec)
+                ),
+                block_size,
+            )
         # The last block-aligned position whose state can be cached. With
         # Eagle, FullAttn prunes the last matching block, so back off one
         # block to avoid a Mamba cache miss.
