@@ -137,10 +137,10 @@ def set_aside(target: Path) -> Path | None:
 
 def recover_dir(target: Path) -> None:
     """Finish or undo a ``replace_dir`` that was interrupted."""
-    new, old = _staging(target)
-    if (old.exists() or old.is_symlink()) and not (target.exists() or target.is_symlink()):
-        old.rename(target)  # stopped between the two renames: put the old one back
-    for leftover in (new, old):
+    aside = set_aside(target)
+    if aside is not None:
+        aside.rename(target)  # stopped between the two renames: put the old one back
+    for leftover in _staging(target):
         _remove(leftover)
 
 

@@ -135,10 +135,10 @@ def clone_worktree(cache_repo: Path, dest: Path, tag: str,
     try:
         repo.git.checkout("-q", "-b", BRANCH, f"refs/tags/{tag}")
     except git.GitCommandError as exc:
-        unreadable = unreadable_objects(str(exc.stderr))
-        if not unreadable:
+        damage = cache_damage(exc, cache_repo, tag)
+        if damage is None:
             raise
-        raise damaged_cache(cache_repo, tag, paths_of(cache_repo, tag, unreadable)) from None
+        raise damage from None
     return repo
 
 

@@ -103,7 +103,9 @@ def plan_overlay(series: Series, project: Project, tree: AppliedTree) -> Overlay
                       "dependencies stay as built):\n  " + "\n  ".join(lines),
                       hint="express the change in Python under vllm/, or build a full "
                            "wheel instead of an overlay")
-    status = _package_changes(repo, tree.base_commit, moded or touched)
+    # a path's mode-changing patches, else (a file deleted and added again) every
+    # patch that touched it
+    status = _package_changes(repo, tree.base_commit, touched | moded)
     base = repo.commit(tree.base_commit).tree
     head = repo.head.commit.tree
     files, deleted = [], []
