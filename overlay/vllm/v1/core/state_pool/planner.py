@@ -190,7 +190,8 @@ def cut_attention_slabs(
     if vllm_config.cache_config.num_gpu_blocks_override is None:
         growth = [block_table_growth(vllm_config, c) for c in kv_cache_configs]
     spare_bytes = [spare - g for spare, g in zip(spare_bytes, growth)]
-    if min(spare_bytes, default=0) < 0:
+    took_pages = min(spare_bytes, default=0) < 0
+    if took_pages:
         fewer = _fewer_pages(vllm_config, kv_cache_configs, spare_bytes)
         if fewer is None:
             logger.info_once(
@@ -199,19 +200,19 @@ def cut_attention_slabs(
             )
             return [upstream_state_blocks(c) for c in kv_cache_configs]
         kv_cache_configs, spare_bytes = fewer
-        if not _one_request_fits(vllm_config, kv_cache_configs):
-            # Upstream's plan passed its check; with pages gone to the tables
-            # a max_model_len request may no longer fit the slab.
-            logger.info_once(
-                "E2 state pool off: its block tables leave no room for one "
-                "max_model_len request; upstream's shared pool."
-            )
-            return [upstream_state_blocks(c) for c in original]
     packed = [
         pack_states(vllm_config, cut_attention_slab(vllm_config, c))
         for c in kv_cache_configs
     ]
     configs = [c for c, _ in packed]
+    if took_pages and not _one_request_fits(vllm_config, configs):
+        # Upstream's plan passed its check; with pages gone to the tables
+        # a max_model_len request may no longer fit the slab.
+        logger.info_once(
+            "E2 state pool off: its block tables leave no room for one "
+            "max_model_len request; upstream's shared pool."
+        )
+        return [upstream_state_blocks(c) for c in original]
     spare_bytes = [spare + freed for spare, (_, freed) in zip(spare_bytes, packed)]
     tail = min(
         (slab_tail_blocks(c, spare) for c, spare in zip(configs, spare_bytes)),
@@ -260,17 +261,15 @@ def _fewer_pages(
 
 
 def _one_request_fits(
-    vllm_config: VllmConfig, kv_cache_configs: list[KVCacheConfig]
+    vllm_config: VllmConfig, slab_configs: list[KVCacheConfig]
 ) -> bool:
-    """Whether every rank's slab plan still holds one max_model_len request."""
+    """Whether every rank's slab plan (before its tail) still holds one
+    max_model_len request."""
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
     return all(
-        get_max_concurrency_for_kv_cache_config(
-            vllm_config, pack_states(vllm_config, cut_attention_slab(vllm_config, c))[0]
-        )
-        >= 1
-        for c in kv_cache_configs
+        get_max_concurrency_for_kv_cache_config(vllm_config, c) >= 1
+        for c in slab_configs
         if c.kv_cache_groups
     )
 
