@@ -327,15 +327,18 @@ def block_table_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
 def _kernel_block_size(vllm_config: VllmConfig, group: KVCacheGroupSpec) -> int:
     """A slab's natural block is a kernel block, states are never split, and
     upstream's attention block runs at record_upstream_kernel_block's (from
-    the specs the workers sent, else from this process's cache config)."""
+    the specs the workers sent, else from this process's cache config). One
+    that no longer divides the block (a platform that rounded the block up
+    after it was recorded, as XPU does to 64) counts the block whole: more
+    table charged, never a width get_block_table_width refuses."""
     spec = group.kv_cache_spec
     if group.blocks_per_page > 1 or not isinstance(spec, AttentionSpec):
         return spec.block_size
-    return (
+    kernel = (
         spec.e2_upstream_kernel_block_size
         or vllm_config.cache_config.e2_upstream_kernel_block_size
-        or spec.block_size
     )
+    return kernel if kernel and spec.block_size % kernel == 0 else spec.block_size
 
 
 def cut_attention_slab(
