@@ -222,9 +222,10 @@ def audit(harness: SchedulerHarness) -> dict:
         slab = getattr(coordinator, name, None)
         if slab is not None:
             result[key], slab_clean = _audit_slab(slab)
-            # The slab tail (blocks past the last page) is never a pool page: the
-            # pool's free count misses a block left in it.
-            result["leaked_blocks"] += result[key]["tail_blocks_in_use"]
+            # Blocks the slab keeps outside whole pages (page 0 past its null
+            # blocks, the tail) are never a pool page: the pool's free count
+            # misses a block left there.
+            result["leaked_blocks"] += result[key]["blocks_outside_pages_in_use"]
             clean &= slab_clean
     # Then (the slab's idle pages handed back) every page but the null page is
     # free in the pool's own queue, and none holds a reference: no state leaked.
@@ -243,20 +244,20 @@ def _audit_slab(slab: Any) -> tuple[dict, bool]:
     held = sorted(slab.page_blocks)
     busy = [p for p in held if slab.free_block_queue.free_in_page[p] != k]
     in_use = sum(1 for b in slab.blocks if b.ref_cnt > 0 and not b.is_null)
-    tail_in_use = slab.num_tail_blocks_in_use
+    outside_in_use = slab.num_blocks_outside_pages_in_use
     reclaimed = slab.reclaim(len(held))
     detail = {
         "blocks_per_page": k,
         "blocks_in_use": in_use,
         "held_pages": len(held),
-        "tail_blocks": slab.tail_blocks,
-        "tail_blocks_in_use": tail_in_use,
-        # a held page (the tail one too) with a block in use: a leak
-        "busy_held_pages": len(busy) + (1 if tail_in_use else 0),
+        "blocks_outside_pages": slab.num_blocks_outside_pages,
+        "blocks_outside_pages_in_use": outside_in_use,
+        # a held page (page 0 and the tail too) with a block in use: a leak
+        "busy_held_pages": len(busy) + (1 if outside_in_use else 0),
         "reclaimed_pages": reclaimed,
         "pages_after_reclaim": len(slab.page_blocks),
     }
-    clean = (not in_use and not busy and not tail_in_use and reclaimed == len(held)
+    clean = (not in_use and not busy and not outside_in_use and reclaimed == len(held)
              and not slab.page_blocks)
     return detail, clean
 

@@ -52,7 +52,8 @@ def run_workload(vllm_config: Any, kv_cache_config: Any, length: int, count: int
     pool = scheduler.kv_cache_manager.block_pool
     free_at_start = pool.get_num_free_blocks()
     counts = _step_to_completion(scheduler, ideal)
-    leaked = free_at_start - pool.get_num_free_blocks() + _slab_tail_blocks_in_use(scheduler)
+    leaked = (free_at_start - pool.get_num_free_blocks()
+              + _slab_blocks_outside_pages_in_use(scheduler))
     return {"requests": count, "prompt_tokens": prompt_len, "decode_tokens": decode,
             "shared_prefix_tokens": prefix_len, "steps": counts["steps"],
             "saturation": counts["peak_before_preemption"], "peak_running": counts["peak"],
@@ -62,11 +63,12 @@ def run_workload(vllm_config: Any, kv_cache_config: Any, length: int, count: int
             "finished": sum(1 for r in requests if r.is_finished())}
 
 
-def _slab_tail_blocks_in_use(scheduler: Any) -> int:
-    """Blocks held in E2's slab tail (attention blocks past the last pool page): the
-    pool's free count never sees them, so a leak there is counted here (0 on stock)."""
+def _slab_blocks_outside_pages_in_use(scheduler: Any) -> int:
+    """Blocks held among those E2's slab keeps outside whole pages (page 0's past its
+    null blocks, the tail past the last page): the pool's free count never sees them,
+    so a leak there is counted here (0 on stock)."""
     slab = getattr(scheduler.kv_cache_manager.coordinator, "slab_pool", None)
-    return slab.num_tail_blocks_in_use if slab is not None else 0
+    return slab.num_blocks_outside_pages_in_use if slab is not None else 0
 
 
 def _scheduler(vllm_config: Any, kv_cache_config: Any, tokens: int) -> tuple[Any, Any]:

@@ -30,7 +30,7 @@ from vllm.v1.core.state_pool.admission import (
     decode_headroom,
     reserve_running_requests,
 )
-from vllm.v1.core.state_pool.planner import slab_blocks_per_page
+from vllm.v1.core.state_pool.planner import slab_blocks_per_page, slab_head_start
 from vllm.v1.core.state_pool.pools import PagePool, SlabPool
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 from vllm.v1.request import Request
@@ -113,7 +113,9 @@ class StatePoolCoordinator(KVCacheCoordinator):
             metrics_collector=metrics_collector,
         )
         self.slab_pool = pool.attach_slab(
-            slab_blocks_per_page(config), config.slab_tail_blocks
+            slab_blocks_per_page(config),
+            config.slab_tail_blocks,
+            slab_head_start(config),
         )
         self.state_slab = (
             pool.attach_state_slab(config.states_per_page)

@@ -572,6 +572,35 @@ def slab_tail_blocks(kv_cache_config: KVCacheConfig, spare_bytes: int) -> int:
     return min(k - 1, spare_bytes // (layer_slots * block_bytes))
 
 
+def slab_head_start(kv_cache_config: KVCacheConfig) -> int:
+    """The first attention block of page 0 a request may hold (``k``: none).
+
+    Page 0 is every group's null page: padded and dummy rows write their
+    states to state 0 and read attention block 0. Where states are packed,
+    state 0 is only the page's first slot, so the attention blocks past it
+    hold what a request writes there (Granite-4.0-H-Tiny, 10 GiB: 74 of a
+    page's 99 blocks, the 36th request at 32,768 tokens). Where a state takes
+    the whole page, or the layers' regions are not each their pages from byte
+    0, none do."""
+    k = slab_blocks_per_page(kv_cache_config)
+    m = kv_cache_config.states_per_page
+    tensors = kv_cache_config.kv_cache_tensors
+    if k == 1 or m == 1 or not tensors:
+        return k
+    attention = {t.block_stride for t in tensors if t.blocks_per_page > 1}
+    states = {t.block_stride for t in tensors if t.blocks_per_page == 1}
+    if (
+        len(attention) != 1
+        or len(states) != 1
+        or any(t.offset or t.layer_stride != tensors[0].layer_stride for t in tensors)
+    ):
+        return k
+    (block_bytes,), (state_stride,) = attention, states
+    if block_bytes * k != state_stride * m:
+        return k
+    return min(k, max(1, cdiv(state_stride, block_bytes)))
+
+
 def _layer_regions(kv_cache_config: KVCacheConfig) -> tuple[int, int, int] | None:
     """(bytes of a layer region's pages, bytes of a slab block, layer regions) of
     a slab plan whose every layer region is its pages back to back from byte 0;
@@ -623,8 +652,10 @@ def log_slab_capacity(
         )
         if group.blocks_per_page > 1:
             natural = spec.block_size
-    # Every slab block but those of page 0, the null page.
-    attention_tokens = (slab_num_blocks(kv_cache_config) - k) * natural
+    # Every slab block but page 0's null blocks.
+    attention_tokens = (
+        slab_num_blocks(kv_cache_config) - slab_head_start(kv_cache_config)
+    ) * natural
     peak = (
         f" ({peak_pages} while it crosses an align boundary)"
         if peak_pages > held_pages

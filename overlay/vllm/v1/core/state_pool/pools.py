@@ -249,11 +249,16 @@ class SlabPool(BlockPool):
     pages empty out whole), then their cached ones (least recently freed
     first), then new pages. The ``tail_blocks`` past the
     last page (fewer than ``k``: that page never comes idle) are the slab's
-    for good.
+    for good, and so are the blocks of page 0 from ``head_start`` on (see
+    planner.slab_head_start).
     """
 
     def __init__(
-        self, pages: PagePool, blocks_per_page: int, tail_blocks: int = 0
+        self,
+        pages: PagePool,
+        blocks_per_page: int,
+        tail_blocks: int = 0,
+        head_start: int | None = None,
     ) -> None:
         # Block ids as the worker sees them: past the pages and any slab
         # attached before (copy-on-write copies and metrics use them).
@@ -277,14 +282,14 @@ class SlabPool(BlockPool):
         self.blocks_per_page = blocks_per_page
         # Upstream's queue held every block; the slab starts with no page.
         # Block 0 (in the page pool's null page 0) stays the null block, and
-        # the rest of page 0 is never handed out. The V2 warmup numbers every
-        # group's blocks from 1, so its attention KV lands in blocks 1..k-1
-        # of page 0: harmless. Page 0 is every group's null block, as block 0
-        # is upstream's, where the groups' layers share each page's bytes and
-        # the runners already send the states of dummy runs there
-        # (get_dummy_block_tables zeroes their rows), and of padded rows
-        # (gather_block_tables, NULL_BLOCK_ID); a request's table points at
-        # page 0 only where nothing is read.
+        # page 0 up to ``head_start`` is never handed out. Page 0 is every
+        # group's null block, as block 0 is upstream's, where the groups'
+        # layers share each page's bytes and the runners already send the
+        # states of dummy runs there (get_dummy_block_tables zeroes their
+        # rows), and of padded rows (gather_block_tables, NULL_BLOCK_ID); a
+        # request's table points at page 0's null blocks only where nothing is
+        # read. The V2 warmup numbers every group's blocks from 1, so its KV
+        # and states land in page 0 before any request: harmless.
         for block in self.blocks:
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = _PagedFreeQueue(
@@ -295,8 +300,12 @@ class SlabPool(BlockPool):
         )
         self.page_blocks: dict[int, KVCacheBlock] = {}  # held page id -> its block
         self.tail_blocks = tail_blocks
+        self.head_blocks = blocks_per_page - (head_start or blocks_per_page)
+        # Page 0 past its null blocks and the tail: never a whole free page,
+        # so never handed back (their pages never come idle).
         self.free_block_queue.append_n(
-            self.blocks[pages.num_gpu_blocks * blocks_per_page :]
+            self.blocks[blocks_per_page - self.head_blocks : blocks_per_page]
+            + self.blocks[pages.num_gpu_blocks * blocks_per_page :]
         )
 
     # -- pages in and out
@@ -357,12 +366,20 @@ class SlabPool(BlockPool):
         return len(self.free_block_queue.idle_pages)
 
     @property
-    def num_tail_blocks_in_use(self) -> int:
-        """Tail blocks held: the page pool's free count never sees them, so a
-        leak audit adds them."""
-        if not self.tail_blocks:
-            return 0
-        return self.tail_blocks - self.free_block_queue.free_in_page[-1]
+    def num_blocks_outside_pages(self) -> int:
+        """Blocks the slab holds for good: page 0's past its null blocks and
+        the tail."""
+        return self.head_blocks + self.tail_blocks
+
+    @property
+    def num_blocks_outside_pages_in_use(self) -> int:
+        """Of those, the blocks held: the page pool's free count never sees
+        them, so a leak audit adds them."""
+        queue = self.free_block_queue
+        in_use = self.head_blocks - queue.free_in_page[0] if self.head_blocks else 0
+        if self.tail_blocks:
+            in_use += self.tail_blocks - queue.free_in_page[-1]
+        return in_use
 
     @property
     def num_free_blocks_in_busy_pages(self) -> int:
@@ -482,9 +499,14 @@ class PagePool(BlockPool):
     # page came free, so the least recently freed of them is evicted first.
     clock = 0
 
-    def attach_slab(self, blocks_per_page: int, tail_blocks: int = 0) -> SlabPool:
+    def attach_slab(
+        self,
+        blocks_per_page: int,
+        tail_blocks: int = 0,
+        head_start: int | None = None,
+    ) -> SlabPool:
         self.freed_at = [0] * self.num_gpu_blocks
-        self.slab = SlabPool(self, blocks_per_page, tail_blocks)
+        self.slab = SlabPool(self, blocks_per_page, tail_blocks, head_start)
         self.slabs = [self.slab]
         self._slab_idle_pages = self.slab.free_block_queue.idle_pages
         self._state_idle_pages: set[int] = set()
@@ -560,7 +582,7 @@ class PagePool(BlockPool):
     def get_usage(self) -> float:
         """Pages in use, a slab page counting by its used blocks."""
         k = self.slab.blocks_per_page
-        total = self.num_gpu_blocks - 1 + self.slab.tail_blocks / k
+        total = self.num_gpu_blocks - 1 + self.slab.num_blocks_outside_pages / k
         if not total:
             return 0
         slab_free = sum(
@@ -581,7 +603,8 @@ class PagePool(BlockPool):
     def reset_prefix_cache(self) -> bool:
         if any(
             slab.free_block_queue.num_free_blocks
-            != len(slab.page_blocks) * slab.blocks_per_page + slab.tail_blocks
+            != len(slab.page_blocks) * slab.blocks_per_page
+            + slab.num_blocks_outside_pages
             for slab in self.slabs
         ):
             logger.warning("Failed to reset prefix cache: blocks in use")
