@@ -176,6 +176,9 @@ class CacheConfig:
     e2_upstream_kernel_block_size: int | None = None
     """vLLM E2: the kernel block the backend runs upstream's hybrid attention
     block at, which sets the width of upstream's block tables."""
+    e2_attention_page_index: bool = False
+    """vLLM E2: whether the attention backend's metadata builder keeps one
+    more block table's worth of page ids (FlashInfer's paged_kv_indices)."""
     skip_page_size_padded: int | None = None
     """Optional override for the page size of layers skipped from KV cache
     quantization (``--kv-cache-dtype-skip-layers``); set during block-size
@@ -296,6 +299,7 @@ class CacheConfig:
             "mamba_page_size_padded",
             "e2_attention_block_size",
             "e2_upstream_kernel_block_size",
+            "e2_attention_page_index",
             "skip_page_size_padded",
             "user_specified_block_size",
             "user_specified_mamba_block_size",

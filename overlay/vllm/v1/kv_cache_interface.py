@@ -511,6 +511,9 @@ class AttentionSpec(KVCacheSpec):
     e2_upstream_kernel_block_size: int | None = None
     """vLLM E2: the kernel block the backend runs upstream's attention block at,
     carried with it: upstream's block tables are that wide (state_pool)."""
+    e2_attention_page_index: bool = False
+    """vLLM E2: the backend's metadata builder keeps a block table's worth of
+    page ids more (FlashInfer's paged_kv_indices; state_pool)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -636,6 +639,7 @@ class FullAttentionSpec(AttentionSpec):
             tokens_per_state=specs[0].tokens_per_state,
             e2_natural_block_size=specs[0].e2_natural_block_size,
             e2_upstream_kernel_block_size=specs[0].e2_upstream_kernel_block_size,
+            e2_attention_page_index=specs[0].e2_attention_page_index,
             sliding_window=cls.merge_window_sizes(sliding_window),
             attention_chunk_size=cls.merge_window_sizes(attention_chunk_size),
             # If any layer in the group is non-causal, treat the group as

@@ -679,6 +679,9 @@ class Attention(nn.Module, AttentionLayerBase):
                 e2_upstream_kernel_block_size=(
                     vllm_config.cache_config.e2_upstream_kernel_block_size
                 ),
+                e2_attention_page_index=(
+                    vllm_config.cache_config.e2_attention_page_index
+                ),
             )
 
 

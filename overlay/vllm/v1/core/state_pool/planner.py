@@ -156,7 +156,8 @@ def record_upstream_kernel_block(
     chosen as the worker chooses it (select_common_block_size; FlashAttention
     runs Qwen3.5-0.8B's 544 tokens as they are, FlashInfer as 17 blocks of 32):
     upstream's block tables are that wide, and block_table_growth compares the
-    slab's with them."""
+    slab's with them. Also whether the backend keeps a page index beside
+    them (PAGE_INDEX_BACKENDS)."""
     if config_ineligibility(vllm_config) is not None:
         return
     from vllm.config import set_current_vllm_config
@@ -167,6 +168,7 @@ def record_upstream_kernel_block(
         cache_config.e2_upstream_kernel_block_size = select_common_block_size(
             cache_config.block_size, [backend_cls]
         )
+    cache_config.e2_attention_page_index = backend_cls.get_name() in PAGE_INDEX_BACKENDS
 
 
 def cut_attention_slabs(
@@ -276,6 +278,11 @@ def _one_request_fits(
 
 # Int32 block ids.
 BLOCK_ID_BYTES = torch.int32.itemsize
+# Backends whose metadata builder keeps every request's kernel blocks in one
+# more int32 buffer of max_num_seqs * cdiv(max_model_len, kernel block), a
+# block table in all but name, allocated with the builders after the KV cache
+# (FlashInferMetadataBuilder.paged_kv_indices, one per attention group).
+PAGE_INDEX_BACKENDS = frozenset({"FLASHINFER"})
 
 
 def block_tables_per_group(vllm_config: VllmConfig) -> int:
@@ -305,7 +312,10 @@ def block_table_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
     """A rank's device block tables for this plan as the runner sizes them
     (initialize_kv_cache): per group, block_tables_per_group int32 tables of
     max_num_seqs rows, each row the group's blocks in kernel blocks. The rest
-    (staging, slot mappings) is sized by rows and tokens, not by blocks."""
+    (staging, slot mappings) is sized by rows and tokens, not by blocks. An
+    attention group whose backend keeps a page index (PAGE_INDEX_BACKENDS)
+    adds it, sized as its builder sizes it (known as the kernel block is:
+    from the specs, else from this process's cache config)."""
     from vllm.v1.worker.block_table import get_block_table_width
 
     max_len = vllm_config.model_config.max_model_len
@@ -314,13 +324,19 @@ def block_table_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
     total = 0
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
+        kernel_block = _kernel_block_size(vllm_config, group)
         width = get_block_table_width(
             spec.max_num_blocks_per_req(vllm_config, max_len),
             spec.block_size,
-            _kernel_block_size(vllm_config, group),
+            kernel_block,
             token_alignment=spec.block_table_token_alignment,
         )
         total += tables * rows * width * BLOCK_ID_BYTES
+        if isinstance(spec, AttentionSpec) and (
+            spec.e2_attention_page_index
+            or vllm_config.cache_config.e2_attention_page_index
+        ):
+            total += rows * cdiv(max_len, kernel_block) * BLOCK_ID_BYTES
     return total
 
 
