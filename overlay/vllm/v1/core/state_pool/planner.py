@@ -187,6 +187,16 @@ def cut_attention_slabs(
     out of the budget, so the engine stays within what upstream's would use:
     from the remainder first, then from pages, the same number on every rank.
     Under num_gpu_blocks_override the pages are the user's: nothing is taken."""
+    configs = _cut_attention_slabs(vllm_config, kv_cache_configs, spare_bytes)
+    keep_upstream_state_block(vllm_config, configs)
+    return configs
+
+
+def _cut_attention_slabs(
+    vllm_config: VllmConfig,
+    kv_cache_configs: list[KVCacheConfig],
+    spare_bytes: list[int],
+) -> list[KVCacheConfig]:
     original = kv_cache_configs
     growth = [0] * len(kv_cache_configs)
     if vllm_config.cache_config.num_gpu_blocks_override is None:
@@ -225,6 +235,34 @@ def cut_attention_slabs(
         replace(c, slab_block_table_bytes=g) if g else c
         for c, g in zip(configs, growth)
     ]
+
+
+def keep_upstream_state_block(
+    vllm_config: VllmConfig, kv_cache_configs: list[KVCacheConfig]
+) -> None:
+    """Plans that keep upstream's pool after set_align_state_block chose a
+    finer `align` state block (a refusal only the planned groups show, or the
+    tables' fallback): this process's cache config goes back to upstream's
+    too, as upstream_state_blocks did for the plan, so the block the engine
+    reports and the unit the scheduler hashes at are upstream's. A
+    prefix_match_unit equal to the natural block is taken for the one
+    set_align_state_block set."""
+    cache_config = vllm_config.cache_config
+    if cache_config.mamba_cache_mode != "align" or any(
+        slab_blocks_per_page(c) > 1 for c in kv_cache_configs
+    ):
+        return
+    attention = {
+        g.kv_cache_spec.block_size
+        for c in kv_cache_configs
+        for g in c.kv_cache_groups
+        if not isinstance(g.kv_cache_spec, MambaSpec)
+    }
+    if len(attention) != 1 or cache_config.mamba_block_size in attention:
+        return
+    (cache_config.mamba_block_size,) = attention
+    if cache_config.prefix_match_unit == cache_config.e2_attention_block_size:
+        cache_config.prefix_match_unit = None
 
 
 def _fewer_pages(
