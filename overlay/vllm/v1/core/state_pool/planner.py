@@ -169,6 +169,10 @@ def record_upstream_kernel_block(
             cache_config.block_size, [backend_cls]
         )
     cache_config.e2_attention_page_index = backend_cls.get_name() in PAGE_INDEX_BACKENDS
+    if backend_cls.get_name() in SLABLESS_BACKENDS:
+        # No natural block: slab_ineligibility refuses, and `align` mode keeps
+        # upstream's state block.
+        cache_config.e2_attention_block_size = None
 
 
 def cut_attention_slabs(
@@ -319,8 +323,12 @@ BLOCK_ID_BYTES = torch.int32.itemsize
 # Backends whose metadata builder keeps every request's kernel blocks in one
 # more int32 buffer of max_num_seqs * cdiv(max_model_len, kernel block), a
 # block table in all but name, allocated with the builders after the KV cache
-# (FlashInferMetadataBuilder.paged_kv_indices, one per attention group).
-PAGE_INDEX_BACKENDS = frozenset({"FLASHINFER"})
+# (FlashInferMetadataBuilder.paged_kv_indices; TRITON_FLASHINFER wraps it).
+PAGE_INDEX_BACKENDS = frozenset({"FLASHINFER", "TRITON_FLASHINFER"})
+# Backends the slab does not serve: FlexAttention sizes its block map by the
+# pool's page count where slab block ids run past it, and keeps an index of
+# batched tokens times blocks. Such a model keeps upstream's pool.
+SLABLESS_BACKENDS = frozenset({"FLEX_ATTENTION"})
 
 
 def block_tables_per_group(vllm_config: VllmConfig) -> int:
@@ -344,6 +352,18 @@ def block_table_growth(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
     return block_table_bytes(vllm_config, slab) - block_table_bytes(
         vllm_config, upstream
     )
+
+
+def page_index_builders(vllm_config: VllmConfig) -> int:
+    """Metadata builders an attention group's page index is kept in: one per
+    microbatch, and as many again for a drafter's attention (EAGLE, MTP, a
+    draft model), counted whether or not its layers share the group: never
+    less than the runners allocate."""
+    from vllm.v1.worker.ubatch_utils import get_num_ubatches
+
+    spec = vllm_config.speculative_config
+    drafter = spec is not None and (spec.use_eagle() or spec.uses_draft_model())
+    return get_num_ubatches(vllm_config.parallel_config) * (2 if drafter else 1)
 
 
 def block_table_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
@@ -374,7 +394,12 @@ def block_table_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
             spec.e2_attention_page_index
             or vllm_config.cache_config.e2_attention_page_index
         ):
-            total += rows * cdiv(max_len, kernel_block) * BLOCK_ID_BYTES
+            total += (
+                page_index_builders(vllm_config)
+                * rows
+                * cdiv(max_len, kernel_block)
+                * BLOCK_ID_BYTES
+            )
     return total
 
 

@@ -138,6 +138,16 @@ class _PagedFreeQueue(FreeKVCacheBlockQueue):
         self._count_n(taken, -1)
         return taken
 
+    def forget_cached(self) -> None:
+        """A prefix-cache reset: the busy pages' cached free blocks become
+        never-cached ones. Page 0 and the tail page never come idle, so no
+        reclaim clears them; idle pages are cleared as they are handed back."""
+        for page, cached in enumerate(self.cached_bits):
+            if cached and page not in self.idle_pages:
+                self.cached_bits[page] = 0
+                self._rebucket(page, self.uncached_in_page[page] + cached.bit_count())
+        self.cached_free.clear()
+
     def remove_idle_page(self, page: int) -> list[KVCacheBlock]:
         """Take every block of idle ``page`` (all k free) and return them."""
         k = self.blocks_per_page
@@ -456,6 +466,7 @@ def forget_cached_blocks(slab: SlabPool) -> None:
     slab.cached_block_hashes_by_block.clear()
     for block in slab.blocks:
         block.reset_hash()
+    slab.free_block_queue.forget_cached()
 
 
 class _ShiftedMetricsCollector(KVCacheMetricsCollector):
