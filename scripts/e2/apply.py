@@ -13,6 +13,7 @@ from typing import Literal
 import git
 
 from e2 import console
+from e2.am import git_am_series
 from e2.errors import E2Error
 from e2.export import format_patches
 from e2.faults import checkpoint
@@ -26,7 +27,6 @@ from e2.fsio import (
     staging_paths,
 )
 from e2.gitops import (
-    AM_FELL_BACK,
     DIFF_FLAGS,
     Hunk,
     UnreadableObjects,
@@ -35,7 +35,6 @@ from e2.gitops import (
     commit_diff,
     commit_summary,
     for_want_of_space,
-    git_am,
     open_worktree,
     out_of_space,
     parse_hunks,
@@ -337,22 +336,16 @@ def _apply_patches(repo: git.Repo, project: Project, patches: list[Patch],
     """Apply ``patches`` with one git am; return the ids that needed a 3-way merge."""
     if not patches:
         return set()
-    merged: set[str] = set()
-    current = -1
     with console.progress(count=True) as progress:
         task = progress.add_task(f"applying {len(patches)} patches", total=len(patches))
 
-        def follow(line: str) -> None:
-            nonlocal current
-            if line.startswith("Applying: "):
-                current += 1
-                progress.update(task, completed=current,
-                                description=f"applying {patches[current].id}")
-            elif line.startswith(AM_FELL_BACK):
-                merged.add(patches[current].id)
+        def started(index: int) -> None:
+            progress.update(task, completed=index, description=f"applying {patches[index].id}")
 
-        returncode, output = git_am(repo, [project.patch_path(p) for p in patches], follow)
+        run = git_am_series(repo, [project.patch_path(p) for p in patches], started)
+        returncode, output, current = run.returncode, run.output, run.started - 1
         progress.update(task, completed=current + 1 if returncode == 0 else current)
+    merged = {patches[index].id for index in run.fell_back}
     if returncode != 0:
         if out_of_space("\n".join(output), Path(repo.git_dir)):
             # a write that failed, not a patch: nothing to describe or keep

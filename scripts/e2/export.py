@@ -59,8 +59,10 @@ def format_patches(repo: git.Repo, base: str) -> list[tuple[git.Commit, bytes]]:
     with tempfile.TemporaryDirectory(prefix="e2-export-") as tmp:
         stable_git(repo, "format-patch", *FORMAT_PATCH_FLAGS, "-o", tmp, f"{base}..HEAD")
         texts = [p.read_bytes() for p in sorted(Path(tmp).iterdir())]
-    # format-patch writes an empty commit as a 0-byte file (or skips it): neither applies
-    empty = [c for c in commits if not c.diff(c.parents[0])]
+    # format-patch writes an empty commit as a 0-byte file (or skips it): neither applies.
+    # Empty: its parent's tree (compared through git's persistent cat-file, where a
+    # diff of each commit started a git process per commit)
+    empty = [c for c in commits if c.tree.hexsha == c.parents[0].tree.hexsha]
     if empty or len(texts) != len(commits) or not all(t.strip() for t in texts):
         named = (", ".join(f"{c.hexsha[:12]} ({commit_summary(c)})" for c in empty)
                  or "one of them")

@@ -123,6 +123,8 @@ def clone_worktree(cache_repo: Path, dest: Path, tag: str,
     # e2.base records the release the branch sits on; rerere replays resolutions
     # recorded once; parallel checkout halves the time to write the ~7,400 files.
     config = [f"e2.base={tag}", "rerere.enabled=true", "checkout.workers=0"]
+    if sparse_paths is not None:  # only git writes there: no stat of each path per index read
+        config.append("sparse.expectFilesOutsideOfPatterns=true")
     # allow_unsafe_options: gitpython guards --config against injected values;
     # these are the driver's own constants
     repo = git.Repo.clone_from(str(cache_repo), str(dest), shared=True, no_checkout=True,
@@ -215,7 +217,8 @@ def corrupt_files(repo: git.Repo) -> list[str]:
         if row:
             info, path = row.split("\t", 1)
             mode, sha = info.split()[:2]
-            if mode in ("100644", "100755") and Path(repo.working_tree_dir, path).is_file():
+            # os.path on strings: a Path per entry of a release's ~7,400 cost 0.1 s
+            if mode in ("100644", "100755") and os.path.isfile(f"{repo.working_tree_dir}/{path}"):
                 entries.append((path, sha))
     if not entries:
         return []

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import git
 
-from e2 import console, precommit
+from e2 import console, precommit, pysource
 from e2.cache import Cache
 from e2.errors import E2Error
 from e2.fsio import write_atomic
@@ -122,11 +122,10 @@ def _looked_at(root: Path, paths: list[str]) -> tuple[set[str], set[str]]:
         files.update("/".join(parts[:i]) + "/__init__.py" for i in range(1, len(parts) + 1))
         if not path.endswith((".py", ".pyi")):
             continue
-        try:
-            tree = ast.parse((root / path).read_bytes())
-        except (SyntaxError, ValueError):
+        imports = _imports((root / path).read_bytes())
+        if imports is None:
             continue  # ruff reports it
-        for node in ast.walk(tree):
+        for node in imports:
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
@@ -141,6 +140,24 @@ def _looked_at(root: Path, paths: list[str]) -> tuple[set[str], set[str]]:
                     files.update((f"{base}.py", f"{base}.pyi", f"{base}/__init__.py",
                                   f"{base}/__init__.pyi"))
     return files, dirs
+
+
+def _imports(source: bytes) -> tuple[ast.Import | ast.ImportFrom, ...] | None:
+    """The import statements of a file, None where it does not compile; from the
+    outline the rebase's hot spots already read of the same text, where it has one."""
+    try:
+        text = source.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or text.startswith("\ufeff"):  # what only a parse of the bytes reads
+        try:
+            tree = pysource.parse(source)
+        except (SyntaxError, ValueError):
+            return None
+        return tuple(node for node in pysource.statements(tree)
+                     if isinstance(node, ast.Import | ast.ImportFrom))
+    found = pysource.outline(text)
+    return None if found is None else found.imports
 
 
 # -- stock against the series

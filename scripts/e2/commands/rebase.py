@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from e2 import console
@@ -12,7 +13,8 @@ from e2.errors import E2Error
 from e2.options import GlobalOptions, RebaseOptions
 from e2.rebase import resolve_target
 from e2.rebase.dryrun import dry_run, hot_spots
-from e2.rebase.report import collect, stem, summary_line, write
+from e2.rebase.hotspots import HotSpot
+from e2.rebase.report import collect, stem, summary_line, verify_entries, write
 from e2.rebase.result import finish
 from e2.rebase.resume import continue_rebase, skip
 from e2.rebase.state import VERDICTS, Phase, RebaseState
@@ -101,8 +103,7 @@ def _run_locked(options: GlobalOptions, request: RebaseOptions, rebase: Rebase) 
         return 0
     if request.onto is not None:
         series = options.project.load()
-        target = resolve_target(request.onto, series.upstream, options.upstream)
-        state = start(rebase, series, target, request.drop_obsolete)
+        state = start(rebase, series, request.onto, request.drop_obsolete)
     else:
         state = rebase.load()
         series = rebase.backup_series()
@@ -114,23 +115,35 @@ def _run_locked(options: GlobalOptions, request: RebaseOptions, rebase: Rebase) 
     if state.phase != Phase.FINISHING and not apply_remaining(rebase, state, series):
         _print_stop(rebase, state, _stop_report(rebase, state, series))
         return 1
-    new_series = finish(rebase, state, series)
-    checks = verify(options.project, new_series, options.upstream)
-    failed = [c for c in checks if not c.ok]
-    if failed:
-        raise E2Error("the rebased series does not verify:\n  " + "\n  ".join(
-            f"{c.name}: {p}" for c in failed for p in c.problems),
-            hint="fix it in .e2/rebase/work and run e2 rebase --continue, or e2 rebase --abort")
-    if request.validate:
-        checks += validation_checks(options, request)
-    repo = rebase.repo()
-    report = collect(repo, state, series, new_series,
-                     (rebase.backup / "patches", options.project.patches_dir), checks,
-                     hot_spots(repo, state))
+    with ThreadPoolExecutor(1) as pool:
+        # the hot spots and the report read the rebase's worktree only: they are made
+        # while the series is written and verify applies it in a scratch tree of its own
+        spotted = pool.submit(hot_spots, rebase.repo(), state)
+        new_series = finish(rebase, state, series)
+        drafted = pool.submit(_final_report, rebase, state, series, new_series, spotted)
+        checks = verify(options.project, new_series, options.upstream)
+        failed = [c for c in checks if not c.ok]
+        if failed:
+            raise E2Error("the rebased series does not verify:\n  " + "\n  ".join(
+                f"{c.name}: {p}" for c in failed for p in c.problems),
+                hint="fix it in .e2/rebase/work and run e2 rebase --continue, or "
+                     "e2 rebase --abort")
+        if request.validate:
+            checks += validation_checks(options, request)
+        report = drafted.result()
+    report["verify"] = verify_entries(checks)
     markdown = write(options.project.root / "docs" / "rebases", report, stem(report))
     rebase.done()
     _print_summary(state, markdown)
     return 0
+
+
+def _final_report(rebase: Rebase, state: RebaseState, old: Series, new: Series,
+                  spotted: Future[list[HotSpot]]) -> dict:
+    """The report of the finished rebase, but for verify's checks."""
+    return collect(rebase.repo(), state, old, new,
+                   (rebase.backup / "patches", rebase.project.patches_dir),
+                   spots=spotted.result())
 
 
 def _stop_report(rebase: Rebase, state: RebaseState, series: Series) -> Path:

@@ -22,7 +22,7 @@ from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.gitops import COMMITTER_ENV
 from e2.rebase import proposals
-from e2.rebase.hotspots import HotSpot, check_files, functions_touched
+from e2.rebase.hotspots import HotSpot, check_files, commit_diffs, functions_touched
 from e2.rebase.report import collect, stem, summary_line, write
 from e2.rebase.state import PatchState, PatchStatus, Phase, RebaseState
 from e2.rebase.steps import apply_one, prepare_worktree
@@ -76,11 +76,14 @@ def hot_spots(repo: git.Repo, state: RebaseState) -> list[HotSpot]:
     old_tag, new_tag = state.source["tag"], state.target["tag"]
     spots: list[HotSpot] = []
     owner: dict[str, str] = {}  # file -> the last patch that changes it
+    old_commits = [p.old_commit for p in state.patches if p.old_commit]
+    diffs = commit_diffs(repo, old_commits, "-U0", paths=("*.py",))
+    files = commit_diffs(repo, old_commits, "--name-only")
     for patch in state.patches:
         if patch.old_commit:
-            spots += functions_touched(repo, patch, old_tag, new_tag)[0]
-            for file in repo.git.diff("--name-only", f"{patch.old_commit}^",
-                                      patch.old_commit).split():
+            spots += functions_touched(repo, patch, old_tag, new_tag,
+                                       diffs.get(patch.old_commit, ""))[0]
+            for file in files.get(patch.old_commit, "").split():
                 owner[file] = patch.id
     for spot in check_files(repo, new_tag, old_tag):
         spot.patch = owner.get(spot.file, "")

@@ -75,9 +75,10 @@ def definition_span(text: str, name: str) -> tuple[int, int] | None:
     return None
 
 
-def defined_in(repo: git.Repo, name: str, exclude: str) -> list[str]:
-    """Files of HEAD that define ``name`` (def or class), other than ``exclude``."""
-    files = _defining_files(str(repo.git_dir), repo.head.commit.hexsha, name)
+def defined_in(repo: git.Repo, name: str, exclude: str, at: str = "HEAD") -> list[str]:
+    """Files of HEAD (or the commit ``at``) that define ``name`` (def or class), other
+    than ``exclude``."""
+    files = _defining_files(str(repo.git_dir), repo.commit(at).hexsha, name)
     # the likeliest home first: outside tests/, then nearest to where it was
     return sorted((f for f in files if f != exclude),
                   key=lambda f: (f.startswith("tests/"), -_common_prefix(f, exclude), f))

@@ -56,9 +56,13 @@ def collect(repo: git.Repo, state: RebaseState, old: Series, new: Series,
         "patches": patches,
         "upstream_changes": upstream_changes(repo, state),
         "hot_spots": [asdict(s) for s in spots or []],
-        "verify": [{"check": c.name, "ok": c.ok, "problems": c.problems} for c in checks or []],
+        "verify": verify_entries(checks or []),
         "next": list(NEXT_STEPS),
     }
+
+
+def verify_entries(checks: list[Check]) -> list[dict]:
+    return [{"check": c.name, "ok": c.ok, "problems": c.problems} for c in checks]
 
 
 def upstream_changes(repo: git.Repo, state: RebaseState) -> list[dict]:

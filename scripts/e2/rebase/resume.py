@@ -132,9 +132,13 @@ def _reconcile(rebase: Rebase, repo: git.Repo, state: RebaseState,
     if Path(repo.git_dir, "rebase-apply").exists():
         subprocess.run(["git", "am", "--abort"], cwd=rebase.work, capture_output=True)
         current.status = PatchStatus.PENDING
-    elif len(commits) > len(applied):
+    elif len(commits) == len(applied) + 1:
         patch = rebase.backup_series().by_id(current.id)
         record_applied(rebase, repo, current, patch, False)
+    elif len(commits) > len(applied):
+        # several patches committed by one git am (steps.apply_batch): they go again
+        repo.git.reset("-q", "--hard", current.base_commit or "HEAD")
+        current.status = PatchStatus.PENDING
     else:
         current.status = PatchStatus.PENDING
 

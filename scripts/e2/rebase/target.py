@@ -13,6 +13,14 @@ from e2.upstream import find_sdist, local_version, sha256_file
 # ---------------------------------------------------------------- target pin
 
 
+def release_version(onto: str) -> str:
+    """0.32.0 for --onto 0.32.0 or v0.32.0; refused unless it is a release version."""
+    version = onto[1:] if onto.startswith("v") else onto
+    if not RELEASE_VERSION.match(version):
+        raise E2Error(f"--onto {onto!r} is not a release version like 0.32.0")
+    return version
+
+
 def resolve_target(onto: str, current: Upstream, upstream: UpstreamOptions) -> Upstream:
     """The pin to rebase onto: the index's own sha256 of that release.
 
@@ -20,9 +28,7 @@ def resolve_target(onto: str, current: Upstream, upstream: UpstreamOptions) -> U
     when it is imported, and its hash against the index's where the index is
     reachable; only without an index is its own hash pinned (with a warning).
     """
-    version = onto[1:] if onto.startswith("v") else onto
-    if not RELEASE_VERSION.match(version):
-        raise E2Error(f"--onto {onto!r} is not a release version like 0.32.0")
+    version = release_version(onto)
     local = upstream.local
     if local is not None:
         found_version = local_version(local)
