@@ -134,14 +134,22 @@ def clone_worktree(cache_repo: Path, dest: Path, tag: str,
         # the never-matching first pattern keeps an empty list from meaning "everything"
         repo.git.sparse_checkout("set", "--no-cone", "/.e2-none",
                                  *(f"/{path}" for path in sparse_paths))
+    check_out_release(repo, cache_repo, tag, new_branch=True)
+    return repo
+
+
+def check_out_release(repo: git.Repo, cache_repo: Path, tag: str,
+                      new_branch: bool = False) -> None:
+    """Branch ``e2`` at release ``tag`` in ``repo`` (a clone sharing ``cache_repo``'s
+    objects), created or moved there; a cache object git cannot read is named as a
+    damaged cache."""
     try:
-        repo.git.checkout("-q", "-b", BRANCH, f"refs/tags/{tag}")
+        repo.git.checkout("-q", "-b" if new_branch else "-B", BRANCH, f"refs/tags/{tag}")
     except git.GitCommandError as exc:
         damage = cache_damage(exc, cache_repo, tag)
         if damage is None:
             raise
         raise damage from None
-    return repo
 
 
 # git's words for an object it cannot read (damaged or missing), with its id

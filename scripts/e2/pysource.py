@@ -52,9 +52,13 @@ def outline(text: str) -> Outline | None:
         return None
     definitions = tuple(Definition(name, isinstance(node, ast.ClassDef), node.lineno,
                                    node.end_lineno) for name, node in definitions_of(tree))
-    imports = tuple(node for node in statements(tree)
-                    if isinstance(node, ast.Import | ast.ImportFrom))
-    return Outline(definitions, imports)
+    return Outline(definitions, imports_of(tree))
+
+
+def imports_of(tree: ast.AST) -> tuple[ast.Import | ast.ImportFrom, ...]:
+    """The import statements of ``tree``, in ast.walk's order."""
+    return tuple(node for node in statements(tree)
+                 if isinstance(node, ast.Import | ast.ImportFrom))
 
 
 def definitions_of(tree: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.stmt]]:

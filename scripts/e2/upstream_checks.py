@@ -154,8 +154,7 @@ def _imports(source: bytes) -> tuple[ast.Import | ast.ImportFrom, ...] | None:
             tree = pysource.parse(source)
         except (SyntaxError, ValueError):
             return None
-        return tuple(node for node in pysource.statements(tree)
-                     if isinstance(node, ast.Import | ast.ImportFrom))
+        return pysource.imports_of(tree)
     found = pysource.outline(text)
     return None if found is None else found.imports
 

@@ -23,11 +23,10 @@ from e2.errors import E2Error
 from e2.faults import checkpoint
 from e2.gitops import (
     AM_FELL_BACK,
-    BRANCH,
     COMMITTER_ENV,
     RECORD,
     am_in_progress,
-    cache_damage,
+    check_out_release,
     git_am,
 )
 from e2.rebase import replay
@@ -105,14 +104,7 @@ def check_out_target(rebase: Rebase, series: Series, target: Upstream, old: Appl
     repo = git.Repo(work)
     Path(repo.git_dir, RECORD).unlink(missing_ok=True)  # not a worktree e2 apply made
     repo.git.update_ref("refs/e2/old", "HEAD")
-    cache_repo = rebase.upstream_options().cache.repo_dir
-    try:
-        repo.git.checkout("-q", "-B", BRANCH, f"refs/tags/{target.tag}")
-    except git.GitCommandError as exc:
-        damage = cache_damage(exc, cache_repo, target.tag)
-        if damage is None:
-            raise
-        raise damage from None
+    check_out_release(repo, rebase.upstream_options().cache.repo_dir, target.tag)
     with repo.config_writer() as config:
         config.set_value("e2", "base", target.tag)
         config.set_value("merge", "conflictStyle", "diff3")
