@@ -14,6 +14,7 @@ import git
 
 from e2 import console
 from e2.am import git_am_series
+from e2.cachedamage import UnreadableObjects, cache_damage, refuse_damaged, unreadable_objects
 from e2.errors import E2Error
 from e2.export import format_patches
 from e2.faults import checkpoint
@@ -29,8 +30,6 @@ from e2.fsio import (
 from e2.gitops import (
     DIFF_FLAGS,
     Hunk,
-    UnreadableObjects,
-    cache_damage,
     clone_worktree,
     commit_diff,
     commit_summary,
@@ -40,11 +39,9 @@ from e2.gitops import (
     parse_hunks,
     patch_id,
     refs_not_from,
-    refuse_damaged,
     require_clean,
     stable_git,
     touched_files,
-    unreadable_objects,
     unseen_reflog_commits,
     worktree_base,
     write_record,
