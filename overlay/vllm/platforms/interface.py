@@ -961,11 +961,6 @@ class Platform:
                 # For hybrid MLA/Mamba models, make the manager block size a
                 # multiple of 128 so split kernel blocks keep that invariant.
                 kernel_block_alignment_size = max(kernel_block_alignment_size, 128)
-            # vLLM E2: the block attention slabs are cut at (state_pool).
-            cache_config.e2_attention_block_size = min(
-                s.base if isinstance(s, MultipleOf) else s
-                for s in backend_cls.get_supported_kernel_block_sizes()
-            )
 
         if cache_config.mamba_cache_mode == "all":
             # With prefix caching, align to mamba chunk size for kernel perf
@@ -997,7 +992,8 @@ class Platform:
                 attn_block_size,
             )
 
-        # vLLM E2: the kernel block that attention block runs at, and prefix-
+        # vLLM E2: the backend's natural block (attention slabs are cut at it)
+        # and the kernel block upstream's attention block runs at; prefix-
         # cache hits at a finer state block in `align` mode (state_pool).
         from vllm.v1.core.state_pool.planner import (
             record_upstream_kernel_block,

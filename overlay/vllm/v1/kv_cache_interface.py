@@ -1448,9 +1448,6 @@ class KVCacheTensor:
     block_stride: int
     offset: int = 0  # byte offset of layers[0]'s block 0
     host_resident: bool = False
-    # vLLM E2: blocks of these layers per pool page (>1: attention slabs cut
-    # from state-sized pages, see vllm/v1/core/state_pool).
-    blocks_per_page: int = 1
 
 
 class KVCacheGroupRole(str, Enum):
@@ -1478,8 +1475,6 @@ class KVCacheGroupSpec:
     # source group after a connector load.
     enable_kv_transfer: bool = True
     role: KVCacheGroupRole = KVCacheGroupRole.DEFAULT
-    # vLLM E2: this group's blocks per pool page (>1: an attention slab).
-    blocks_per_page: int = 1
 
 
 @dataclass
@@ -1513,18 +1508,6 @@ class KVCacheConfig:
 
     kv_tp_replicas: int = 1
     """Consecutive TP ranks holding identical KV for every layer (1: none)."""
-
-    slab_tail_blocks: int = 0
-    """vLLM E2: attention slab blocks past the last pool page, cut from the
-    planner's leftover memory; never a state (vllm/v1/core/state_pool)."""
-
-    states_per_page: int = 1
-    """vLLM E2: request states packed in one pool page (>1: a state slab, whose
-    state tensors address ``num_blocks * states_per_page`` states)."""
-
-    slab_block_table_bytes: int = 0
-    """vLLM E2: the bytes the slab's finer blocks add to the workers' block
-    tables on each rank, taken from the KV cache budget (state_pool)."""
 
     @cached_property
     def transfer_group_ids(self) -> tuple[int, ...]:
@@ -1590,10 +1573,7 @@ class KVCacheConfig:
     def num_blocks_of(self, tensor: KVCacheTensor) -> int:
         """Number of blocks addressable by the pool backing ``tensor``."""
         if not tensor.host_resident:
-            if tensor.blocks_per_page > 1:
-                return self.num_blocks * tensor.blocks_per_page + self.slab_tail_blocks
-            # vLLM E2: with a slab, every other tensor is a state tensor.
-            return self.num_blocks * self.states_per_page
+            return self.num_blocks
         assert self.hisparse_host_num_blocks is not None
         return self.hisparse_host_num_blocks
 

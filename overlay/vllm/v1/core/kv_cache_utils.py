@@ -1102,23 +1102,17 @@ def get_max_concurrency_for_kv_cache_config(
 
     Host groups use a separate pool; the smaller concurrency limit applies.
     """
+    # vLLM E2: attention slab blocks and packed states share pages (state_pool).
+    from vllm.v1.core.state_pool.plan import blocks_per_pool_page
+
     num_blocks_per_request: float = 0
-    host_blocks_per_request = 0
+    host_blocks_per_request: float = 0
     for group in kv_cache_config.kv_cache_groups:
         required = cdiv(
             group.kv_cache_spec.max_memory_usage_bytes(vllm_config),
             group.kv_cache_spec.page_size_bytes,
-        )
-        if group.blocks_per_page > 1:
-            # vLLM E2: an attention slab; k of its blocks fill one page.
-            num_blocks_per_request += required / group.blocks_per_page
-        elif (
-            isinstance(group.kv_cache_spec, MambaSpec)
-            and kv_cache_config.states_per_page > 1
-        ):
-            # vLLM E2: packed states, m to a page.
-            num_blocks_per_request += required / kv_cache_config.states_per_page
-        elif group.host_resident:
+        ) / blocks_per_pool_page(kv_cache_config, group)
+        if group.host_resident:
             host_blocks_per_request += required
         else:
             num_blocks_per_request += required
@@ -2478,9 +2472,6 @@ def update_kv_cache_capacity(
         f"{max_model_len:,}",
         max_concurrency,
     )
-    from vllm.v1.core.state_pool.planner import log_slab_capacity
-
-    log_slab_capacity(vllm_config, kv_cache_config, max_concurrency)
 
 
 def _max_memory_usage_bytes_from_groups(

@@ -707,7 +707,7 @@ def copy_kv_cache_blocks_inplace(
     # whole as upstream does.
     slab_blocks = state_blocks = 0
     if kv_cache_config is not None:
-        from vllm.v1.core.state_pool.planner import slab_num_blocks, state_num_blocks
+        from vllm.v1.core.state_pool.plan import slab_num_blocks, state_num_blocks
 
         slab_blocks = slab_num_blocks(kv_cache_config)
         state_blocks = state_num_blocks(kv_cache_config)

@@ -18,11 +18,13 @@ backend's natural size (a slab):
 
 Its modules, each used from a few named places of upstream's code:
 
+* ``plan``: what a plan with slabs adds to upstream's (``SlabKVCacheConfig``
+  and its groups and tensors, subclasses of upstream's); the workers read
+  ``SlabKVCacheTensor.blocks_per_page`` to view attention as natural blocks.
 * ``planner``: the plan's last step (``cut_attention_slabs``, called by
   ``get_kv_cache_configs``) rewrites the attention groups and their tensors
   within the layer regions upstream placed (packed states and the slab tail
-  included), and chooses `align` mode's state block; the workers read
-  ``KVCacheTensor.blocks_per_page`` to view attention as natural blocks.
+  included), and chooses `align` mode's state block.
 * ``pools``: the coordinator's block pools (``PagePool``, ``SlabPool``).
 * ``coordinator``: what the coordinator does differently with slabs (a step's
   groups, blocks counted as the pages they take).

@@ -30,7 +30,12 @@ from vllm.v1.core.state_pool.admission import (
     decode_headroom,
     reserve_running_requests,
 )
-from vllm.v1.core.state_pool.planner import slab_blocks_per_page, slab_head_start
+from vllm.v1.core.state_pool.plan import (
+    SlabKVCacheConfig,
+    group_blocks_per_page,
+    slab_blocks_per_page,
+)
+from vllm.v1.core.state_pool.planner import slab_head_start
 from vllm.v1.core.state_pool.pools import PagePool, SlabPool
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 from vllm.v1.request import Request
@@ -105,6 +110,7 @@ class StatePoolCoordinator(KVCacheCoordinator):
         metrics_collector: KVCacheMetricsCollector | None,
     ) -> BlockPool:
         config = self.kv_cache_config
+        assert isinstance(config, SlabKVCacheConfig)
         pool = PagePool(
             num_gpu_blocks=num_gpu_blocks,
             enable_caching=enable_caching,
@@ -126,7 +132,7 @@ class StatePoolCoordinator(KVCacheCoordinator):
 
     def group_block_pool(self, group_id: int) -> BlockPool:
         group = self.kv_cache_config.kv_cache_groups[group_id]
-        if group.blocks_per_page > 1:
+        if group_blocks_per_page(group) > 1:
             return self.slab_pool
         if self.state_slab is not None and isinstance(group.kv_cache_spec, MambaSpec):
             return self.state_slab

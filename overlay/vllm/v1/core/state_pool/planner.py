@@ -12,6 +12,18 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
+from vllm.v1.core.state_pool.plan import (
+    SlabKVCacheConfig,
+    SlabKVCacheGroupSpec,
+    SlabKVCacheTensor,
+    as_slab,
+    group_blocks_per_page,
+    slab_blocks_per_page,
+    slab_groups,
+    slab_num_blocks,
+    slab_tensors,
+    states_per_page_of,
+)
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,
@@ -157,13 +169,20 @@ def record_upstream_kernel_block(
     runs Qwen3.5-0.8B's 544 tokens as they are, FlashInfer as 17 blocks of 32):
     upstream's block tables are that wide, and block_table_growth compares the
     slab's with them. Also whether the backend keeps a page index beside
-    them (PAGE_INDEX_BACKENDS)."""
-    if config_ineligibility(vllm_config) is not None:
-        return
+    them (PAGE_INDEX_BACKENDS), and first, the backend's natural block: its
+    smallest kernel block, which attention slabs are cut at."""
     from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import MultipleOf
     from vllm.v1.worker.utils import select_common_block_size
 
     cache_config = vllm_config.cache_config
+    with set_current_vllm_config(vllm_config):
+        cache_config.e2_attention_block_size = min(
+            s.base if isinstance(s, MultipleOf) else s
+            for s in backend_cls.get_supported_kernel_block_sizes()
+        )
+    if config_ineligibility(vllm_config) is not None:
+        return
     with set_current_vllm_config(vllm_config):
         cache_config.e2_upstream_kernel_block_size = select_common_block_size(
             cache_config.block_size, [backend_cls]
@@ -193,6 +212,9 @@ def cut_attention_slabs(
     Under num_gpu_blocks_override the pages are the user's: nothing is taken."""
     configs = _cut_attention_slabs(vllm_config, kv_cache_configs, spare_bytes)
     keep_upstream_state_block(vllm_config, configs)
+    if configs and vllm_config.model_config is not None:
+        # Every rank plans alike; the scheduler runs on the first's plan.
+        log_slab_capacity(vllm_config, configs[0])
     return configs
 
 
@@ -236,7 +258,7 @@ def _cut_attention_slabs(
     )
     configs = [add_slab_tail(c, tail) for c in configs] if tail else configs
     return [
-        replace(c, slab_block_table_bytes=g) if g else c
+        replace(c, slab_block_table_bytes=g) if isinstance(c, SlabKVCacheConfig) else c
         for c, g in zip(configs, growth)
     ]
 
@@ -411,7 +433,7 @@ def _kernel_block_size(vllm_config: VllmConfig, group: KVCacheGroupSpec) -> int:
     after it was recorded, as XPU does to 64) counts the block whole: more
     table charged, never a width get_block_table_width refuses."""
     spec = group.kv_cache_spec
-    if group.blocks_per_page > 1 or not isinstance(spec, AttentionSpec):
+    if group_blocks_per_page(group) > 1 or not isinstance(spec, AttentionSpec):
         return spec.block_size
     kernel = (
         spec.e2_upstream_kernel_block_size
@@ -443,35 +465,43 @@ def cut_attention_slab(
         ],
     )
     assert natural is not None
-    groups: list[KVCacheGroupSpec] = []
+    groups: list[SlabKVCacheGroupSpec] = []
     slab_layers: dict[str, int] = {}
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
-            groups.append(group)
+            groups.append(as_slab(group, SlabKVCacheGroupSpec))
             continue
         k = spec.block_size // natural
         groups.append(
-            replace(
+            as_slab(
                 group,
+                SlabKVCacheGroupSpec,
                 kv_cache_spec=replace(spec, block_size=natural),
                 blocks_per_page=k,
             )
         )
         slab_layers.update((name, k) for name in group.layer_names)
-    tensors = []
+    tensors: list[SlabKVCacheTensor] = []
     for tensor in kv_cache_config.kv_cache_tensors:
         k = {slab_layers.get(name, 1) for name in tensor.layers}
         assert len(k) == 1, "a tensor mixes attention and state layers"
         k = k.pop()
-        if k == 1:
-            tensors.append(tensor)
-            continue
         assert tensor.block_stride % k == 0
         tensors.append(
-            replace(tensor, block_stride=tensor.block_stride // k, blocks_per_page=k)
+            as_slab(
+                tensor,
+                SlabKVCacheTensor,
+                block_stride=tensor.block_stride // k,
+                blocks_per_page=k,
+            )
         )
-    return replace(kv_cache_config, kv_cache_groups=groups, kv_cache_tensors=tensors)
+    return as_slab(
+        kv_cache_config,
+        SlabKVCacheConfig,
+        kv_cache_groups=groups,
+        kv_cache_tensors=tensors,
+    )
 
 
 def upstream_state_blocks(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
@@ -554,15 +584,17 @@ def pack_states(
     """
     k = slab_blocks_per_page(kv_cache_config)
     regions = _layer_regions(kv_cache_config) if k > 1 else None
-    groups = kv_cache_config.kv_cache_groups
+    if regions is None:
+        return kv_cache_config, 0
+    assert isinstance(kv_cache_config, SlabKVCacheConfig)
+    groups = slab_groups(kv_cache_config)
     state_bytes = {
         g.kv_cache_spec.real_page_size_bytes
         for g in groups
         if isinstance(g.kv_cache_spec, MambaSpec)
     }
     if (
-        regions is None
-        or len(state_bytes) != 1
+        len(state_bytes) != 1
         or vllm_config.cache_config.num_gpu_blocks_override is not None
     ):
         return kv_cache_config, 0
@@ -606,7 +638,7 @@ def pack_states(
                 else {"block_stride": stride}
             ),
         )
-        for t in kv_cache_config.kv_cache_tensors
+        for t in slab_tensors(kv_cache_config)
     ]
     packed = replace(
         kv_cache_config,
@@ -623,7 +655,7 @@ def add_slab_tail(kv_cache_config: KVCacheConfig, tail: int) -> KVCacheConfig:
     them, so the regions of all groups still overlay page for page, and the
     states, which never reach past the last page, keep their bytes."""
     regions = _layer_regions(kv_cache_config)
-    assert regions is not None
+    assert regions is not None and isinstance(kv_cache_config, SlabKVCacheConfig)
     pages_bytes, block_bytes, layer_slots = regions
     region = pages_bytes + tail * block_bytes
     return replace(
@@ -662,10 +694,11 @@ def slab_head_start(kv_cache_config: KVCacheConfig) -> int:
     the whole page, or the layers' regions are not each their pages from byte
     0, none do."""
     k = slab_blocks_per_page(kv_cache_config)
-    m = kv_cache_config.states_per_page
-    tensors = kv_cache_config.kv_cache_tensors
-    if k == 1 or m == 1 or not tensors:
+    m = states_per_page_of(kv_cache_config)
+    if k == 1 or m == 1 or not kv_cache_config.kv_cache_tensors:
         return k
+    assert isinstance(kv_cache_config, SlabKVCacheConfig)
+    tensors = slab_tensors(kv_cache_config)
     attention = {t.block_stride for t in tensors if t.blocks_per_page > 1}
     states = {t.block_stride for t in tensors if t.blocks_per_page == 1}
     if (
@@ -698,32 +731,22 @@ def _layer_regions(kv_cache_config: KVCacheConfig) -> tuple[int, int, int] | Non
     return pages_bytes, block_bytes, tensors[0].size // pages_bytes
 
 
-def slab_num_blocks(kv_cache_config: KVCacheConfig) -> int:
-    """The attention slab's blocks, tail included (0: upstream's pool)."""
-    k = slab_blocks_per_page(kv_cache_config)
-    if k == 1:
-        return 0
-    return kv_cache_config.num_blocks * k + kv_cache_config.slab_tail_blocks
-
-
-def state_num_blocks(kv_cache_config: KVCacheConfig) -> int:
-    """The packed states (0: a state takes a page, or upstream's pool)."""
-    m = kv_cache_config.states_per_page
-    return kv_cache_config.num_blocks * m if m > 1 else 0
-
-
-def log_slab_capacity(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, max_concurrency: float
-) -> None:
+def log_slab_capacity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
     """The boot line's E2 companion: attention tokens and request states, each
     true on its own, and the concurrency that counts both."""
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
     k = slab_blocks_per_page(kv_cache_config)
     if k == 1:
         return
+    assert isinstance(kv_cache_config, SlabKVCacheConfig)
+    max_concurrency = get_max_concurrency_for_kv_cache_config(
+        vllm_config, kv_cache_config
+    )
     usable = kv_cache_config.num_blocks - 1  # page 0 is the null page
     held_pages, peak_pages = request_state_pages(vllm_config, kv_cache_config)
     natural = page_bytes = 0
-    for group in kv_cache_config.kv_cache_groups:
+    for group in slab_groups(kv_cache_config):
         spec = group.kv_cache_spec
         page_bytes = max(
             page_bytes,
@@ -776,11 +799,3 @@ def request_state_pages(
             held += 1 + spec.num_speculative_blocks
             peak += cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
     return held, peak
-
-
-def slab_blocks_per_page(kv_cache_config: KVCacheConfig) -> int:
-    """Attention blocks per pool page (1: upstream's shared pool)."""
-    sizes = {g.blocks_per_page for g in kv_cache_config.kv_cache_groups}
-    sizes.discard(1)
-    assert len(sizes) <= 1, "attention groups cut pages differently"
-    return sizes.pop() if sizes else 1
