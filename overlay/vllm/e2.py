@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm import envs
+from vllm.e2_switches import validate_e2_switches
 
 
 def series_info_path() -> Path:
@@ -38,7 +39,7 @@ def load_series_info() -> dict[str, Any] | None:
 def boot_report() -> str:
     """One line naming the E2 series and the value of every E2 switch."""
     switches = ", ".join(
-        f"{name}={int(value)}" for name, value in envs.validate_e2_switches().items()
+        f"{name}={int(value)}" for name, value in validate_e2_switches().items()
     )
     info = load_series_info()
     if info is None:
@@ -63,6 +64,6 @@ def check_switches_and_report(log: logging.Logger, first_local_rank: bool) -> No
     """The engine core's start: every VLLM_E2_* value checked on every rank (a
     malformed one raises), the report logged by a node's first rank when
     VLLM_E2_REPORT is on."""
-    envs.validate_e2_switches()
+    validate_e2_switches()
     if first_local_rank:
         log_boot_report(log, enabled=envs.VLLM_E2_REPORT)

@@ -9,7 +9,6 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -610,74 +609,22 @@ def _resolve_rust_cli_path() -> str | None:
     return raw
 
 
-@dataclass(frozen=True)
-class E2Switch:
-    """A vLLM E2 on/off switch (environment variable ``VLLM_E2_*``)."""
+def _e2_switch_variables() -> dict[str, Callable[[], Any]]:
+    """The vLLM E2 switches (vllm/e2_switches.py), strictly "0" or "1"."""
+    from vllm.e2_switches import E2_SWITCHES, parse_e2_switch
 
-    name: str
-    default: bool
-    # Path, relative to the directory holding the `vllm` package, of the
-    # file that reads the switch.
-    read_in: str
-    # Whether the switch changes compiled or cached artifacts (if so it is
-    # hashed by `compile_factors()`).
-    compiled: bool
-    doc: str
+    return {name: functools.partial(parse_e2_switch, name) for name in E2_SWITCHES}
 
 
-# Registry of every vLLM E2 switch. Values are strictly "0" or "1".
-E2_SWITCHES: dict[str, E2Switch] = {
-    s.name: s
-    for s in (
-        E2Switch(
-            name="VLLM_E2_REPORT",
-            default=True,
-            read_in="vllm/e2.py",
-            compiled=False,
-            doc="Log the E2 series digest and every switch value "
-            "when the engine starts.",
-        ),
-        E2Switch(
-            name="VLLM_E2_STATE_POOL",
-            default=True,
-            read_in="vllm/v1/core/state_pool/planner.py",
-            compiled=False,
-            doc="Hybrid models: attention at the backend's natural block size, "
-            "cut from the state-sized pages of the shared pool.",
-        ),
-    )
-}
+def _e2_switches_not_compiled() -> list[str]:
+    """The vLLM E2 switches that change no compiled artifact."""
+    from vllm.e2_switches import E2_SWITCHES
 
-
-def parse_e2_switch(name: str) -> bool:
-    """Parse a registered E2 switch: unset -> default, else "0" or "1"."""
-    if name not in E2_SWITCHES:
-        raise KeyError(f"{name} is not a registered vLLM E2 switch")
-    value = os.environ.get(name)
-    if value is None:
-        return E2_SWITCHES[name].default
-    if value not in ("0", "1"):
-        raise ValueError(
-            f"Invalid value for {name}: {value!r}. Allowed values are '0' or '1'."
-        )
-    return value == "1"
-
-
-def validate_e2_switches() -> dict[str, bool]:
-    """Parse every registered E2 switch; report all bad values at once."""
-    values: dict[str, bool] = {}
-    errors: list[str] = []
-    for name in E2_SWITCHES:
-        try:
-            values[name] = parse_e2_switch(name)
-        except ValueError as e:
-            errors.append(str(e))
-    if errors:
-        raise ValueError("; ".join(errors))
-    return values
+    return [name for name, switch in E2_SWITCHES.items() if not switch.compiled]
 
 
 environment_variables: dict[str, Callable[[], Any]] = {
+    **_e2_switch_variables(),
     # ================== Installation Time Env Vars ==================
     # Target device of vLLM, supporting [cuda (by default),
     # rocm, cpu]
@@ -2291,8 +2238,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_SKIP_VERSION_SUFFIX": lambda: bool(
         int(os.getenv("VLLM_SKIP_VERSION_SUFFIX", "0"))
     ),
-    # vLLM E2 switches, strictly "0" or "1"; see E2_SWITCHES.
-    **{name: functools.partial(parse_e2_switch, name) for name in E2_SWITCHES},
 }
 
 
@@ -2451,8 +2396,7 @@ def compile_factors() -> dict[str, object]:
         "NO_COLOR",
         "VLLM_SKIP_VERSION_SUFFIX",
         "FORCE_COLOR",
-        # vLLM E2 switches that change no compiled artifact.
-        *(name for name, sw in E2_SWITCHES.items() if not sw.compiled),
+        *_e2_switches_not_compiled(),
     }
 
     from vllm.config.utils import normalize_value

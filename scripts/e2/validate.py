@@ -44,7 +44,7 @@ from e2.series import Patch, Project, Series, series_digest
 from e2.testenv import TestEnv, View, prepare
 
 # Upstream's suites over what the series changes: all of tests/v1/core and
-# tests/v1/worker, test_envs.py (envs.py carries the switch registry) and the
+# tests/v1/worker, test_envs.py (envs.py serves the E2 switches) and the
 # engine files that run on the CPU. Their hub models come from the offline store
 # (e2 models); what still cannot pass on a CPU is classified, not left out.
 DEFAULT_SUITES = (

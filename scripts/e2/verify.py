@@ -14,7 +14,7 @@ from e2.overlay import PACKAGE, OverlayPlan, overlay_drift, plan_overlay, sync_p
 from e2.series import Project, Series
 from e2.upstream_checks import run as run_upstream_checks
 
-REGISTRY_FILE = f"{PACKAGE}/envs.py"
+REGISTRY_FILE = f"{PACKAGE}/e2_switches.py"
 
 
 @dataclass

@@ -87,7 +87,7 @@ def test_undeclared_and_unread_switches_are_named(e2):
     e2("overlay")
     _, out, _ = e2("verify", expect=1)
     assert "0001: switch VLLM_E2_RENAMED is never read in the patched vllm/ tree" in out
-    assert "VLLM_E2_REPORT is read in vllm/e2.py, vllm/envs.py but no patch declares it" \
+    assert "VLLM_E2_REPORT is read in vllm/e2.py, vllm/e2_switches.py but no patch declares it" \
         in out
 
 
@@ -125,10 +125,18 @@ def test_overlay_drift_is_named(e2):
 def test_inexact_patch_fails_verify(e2):
     real_project(e2)
     patch = next(e2.project.patches_dir.glob("0001-*"))
-    patch.write_text(patch.read_text().replace("@@ -609,6 +610,65 @@", "@@ -600,6 +601,65 @@"))
+    text = patch.read_text()
+    # envs.py's first hunk said to start 9 lines before where it does
+    envs = text.index("diff --git a/vllm/envs.py")
+    header = re.compile(r"^@@ -(\d+),(\d+) \+(\d+),", re.M).search(text, envs)
+    assert header is not None
+    old, new = int(header[1]), int(header[3])
+    text = (text[:header.start()] + f"@@ -{old - 9},{header[2]} +{new - 9},"
+            + text[header.end():])
+    patch.write_text(text)
     _, out, _ = e2("verify", expect=1)
     assert "FAIL every patch applies exactly" in out
-    assert "vllm/envs.py hunk 2 at offset +9 lines" in out
+    assert "vllm/envs.py hunk 1 at offset +9 lines" in out
 
 
 def test_status_reports_pin_patches_and_sync(e2):
