@@ -93,8 +93,7 @@ class KVCacheCoordinator(ABC):
         self.scheduler_block_size = scheduler_block_size
         self.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
 
-        # vLLM E2: the state pool's coordinator makes its own (state_pool).
-        self.block_pool = self.new_block_pool(
+        self.block_pool = BlockPool(
             num_gpu_blocks=kv_cache_config.num_blocks,
             enable_caching=enable_caching,
             hash_block_size=hash_block_size,
@@ -137,7 +136,7 @@ class KVCacheCoordinator(ABC):
                 kv_cache_spec=kv_cache_group.kv_cache_spec,
                 max_in_flight_tokens=max_in_flight_tokens,
                 max_model_len=max_model_len,
-                block_pool=self.group_block_pool(i),
+                block_pool=self.block_pool,
                 role=kv_cache_group.role,
                 enable_caching=enable_caching,
                 kv_cache_group_id=i,
@@ -164,26 +163,6 @@ class KVCacheCoordinator(ABC):
         _validate_prefix_cache_retention_interval(
             self.retention_interval, self.scheduler_block_size, kv_cache_config
         )
-
-    def new_block_pool(
-        self,
-        num_gpu_blocks: int,
-        enable_caching: bool,
-        hash_block_size: int,
-        enable_kv_cache_events: bool,
-        metrics_collector: KVCacheMetricsCollector | None,
-    ) -> BlockPool:
-        """The pool, and each group's below (vLLM E2: the state pool's own)."""
-        return BlockPool(
-            num_gpu_blocks=num_gpu_blocks,
-            enable_caching=enable_caching,
-            hash_block_size=hash_block_size,
-            enable_kv_cache_events=enable_kv_cache_events,
-            metrics_collector=metrics_collector,
-        )
-
-    def group_block_pool(self, group_id: int) -> BlockPool:
-        return self.block_pool
 
     # vLLM E2: what the state pool's coordinator adds to admission (no-ops
     # here): room for the decode ahead, and for what running requests may

@@ -2,8 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """vLLM E2 state pool: the coordinator of a plan with attention slabs.
 
-Upstream's coordinators, given the state pool's block pools through their two
-pool hooks, with three steps of their own: the groups a request's step visits
+Upstream's coordinators, their pool replaced by the state pool's block pools
+once constructed, with three steps of their own: the groups a request's step visits
 (a request's constant state groups are skipped once it holds them), slab
 blocks counted as the pages they take, and the admission reserve
 (admission.py) counted in at admission.
@@ -20,7 +20,6 @@ from vllm.v1.core.kv_cache_coordinator import (
     KVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
 )
-from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.core.state_pool.admission import (
@@ -37,7 +36,7 @@ from vllm.v1.core.state_pool.plan import (
 )
 from vllm.v1.core.state_pool.planner import slab_head_start
 from vllm.v1.core.state_pool.pools import PagePool, SlabPool
-from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.request import Request
 
 
@@ -71,6 +70,7 @@ class StatePoolCoordinator(KVCacheCoordinator):
         **kwargs: Any,
     ) -> None:
         super().__init__(kv_cache_config, max_model_len, *args, **kwargs)
+        self._use_state_pools()
         self.max_model_len = max_model_len
         # What the running requests may still take: slab blocks for their
         # decode headroom, align-mode boundary states (pages, or slots when
@@ -101,23 +101,23 @@ class StatePoolCoordinator(KVCacheCoordinator):
         )
         self.constant_state_blocks = constant[0].req_to_blocks if constant else None
 
-    def new_block_pool(
-        self,
-        num_gpu_blocks: int,
-        enable_caching: bool,
-        hash_block_size: int,
-        enable_kv_cache_events: bool,
-        metrics_collector: KVCacheMetricsCollector | None,
-    ) -> BlockPool:
+    def _use_state_pools(self) -> None:
+        """Upstream's constructor gave every group one BlockPool; in its place a
+        PagePool of the same pages, whose attention slab serves the attention
+        groups and, with packed states, whose state slab serves the state
+        groups. Nothing has been allocated yet, so only the references to the
+        pool (and its null block) change hands."""
         config = self.kv_cache_config
         assert isinstance(config, SlabKVCacheConfig)
+        shared = self.block_pool
         pool = PagePool(
-            num_gpu_blocks=num_gpu_blocks,
-            enable_caching=enable_caching,
-            hash_block_size=hash_block_size,
-            enable_kv_cache_events=enable_kv_cache_events,
-            metrics_collector=metrics_collector,
+            num_gpu_blocks=shared.num_gpu_blocks,
+            enable_caching=shared.enable_caching,
+            hash_block_size=shared.hash_block_size,
+            enable_kv_cache_events=shared.enable_kv_cache_events,
+            metrics_collector=shared.metrics_collector,
         )
+        self.block_pool = pool
         self.slab_pool = pool.attach_slab(
             slab_blocks_per_page(config),
             config.slab_tail_blocks,
@@ -128,10 +128,14 @@ class StatePoolCoordinator(KVCacheCoordinator):
             if config.states_per_page > 1
             else None
         )
-        return pool
+        for group, manager in zip(config.kv_cache_groups, self.single_type_managers):
+            manager.block_pool = self._group_pool(group)
+            manager._null_block = manager.block_pool.null_block
+        if isinstance(self, HybridKVCacheCoordinator):
+            # Upstream groups its managers for hit lookup by pool.
+            self.verify_and_split_kv_cache_groups()
 
-    def group_block_pool(self, group_id: int) -> BlockPool:
-        group = self.kv_cache_config.kv_cache_groups[group_id]
+    def _group_pool(self, group: KVCacheGroupSpec) -> BlockPool:
         if group_blocks_per_page(group) > 1:
             return self.slab_pool
         if self.state_slab is not None and isinstance(group.kv_cache_spec, MambaSpec):
