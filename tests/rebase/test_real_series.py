@@ -126,7 +126,6 @@ def test_every_conflicting_hunk_is_classified(drift):
                 assert hunk["proposal"] is None
     for version in ("0.33.0", "0.34.0"):
         kinds = {(p, f): h["kind"] for p, f, h in hunks(drift.reports[version])}
-        assert kinds[("0002", "vllm/platforms/interface.py")] == "insert-before-rewrite"
         # 0001's registry lines land where upstream added its own
         assert kinds[("0001", "vllm/envs.py")] == "both-added"
 

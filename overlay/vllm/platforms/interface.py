@@ -992,18 +992,12 @@ class Platform:
                 attn_block_size,
             )
 
-        # vLLM E2: the backend's natural block (attention slabs are cut at it)
-        # and the kernel block upstream's attention block runs at; prefix-
-        # cache hits at a finer state block in `align` mode (state_pool).
-        from vllm.v1.core.state_pool.planner import (
-            record_upstream_kernel_block,
-            set_align_state_block,
-        )
-
-        record_upstream_kernel_block(vllm_config, backend_cls)
         if cache_config.mamba_cache_mode == "align":
             cache_config.mamba_block_size = cache_config.block_size
-            set_align_state_block(vllm_config)
+            # vLLM E2: prefix-cache hits at a finer state block (state_pool).
+            from vllm.v1.core.state_pool.planner import set_align_state_block
+
+            set_align_state_block(vllm_config, backend_cls)
 
         # Pad mamba page size to exactly match attention page size
         attn_page_size = cache_config.block_size * attn_page_size_1_token

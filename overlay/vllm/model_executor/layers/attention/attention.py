@@ -667,21 +667,17 @@ class Attention(nn.Module, AttentionLayerBase):
                 page_size_padded=shared_page,
             )
         else:
+            # vLLM E2: the backend's blocks, for the state pool's planner.
+            from vllm.v1.core.state_pool.planner import attention_kernel_fields
+
             return FullAttentionSpec(
+                **attention_kernel_fields(vllm_config, self.attn_backend),
                 block_size=block_size,
                 num_kv_heads=self.num_kv_heads,
                 head_size=self.head_size,
                 head_size_v=self.head_size_v,
                 dtype=self.kv_cache_torch_dtype,
                 kv_quant_mode=quant_mode,
-                # vLLM E2: the block attention slabs are cut at (state_pool).
-                e2_natural_block_size=vllm_config.cache_config.e2_attention_block_size,
-                e2_upstream_kernel_block_size=(
-                    vllm_config.cache_config.e2_upstream_kernel_block_size
-                ),
-                e2_attention_page_index=(
-                    vllm_config.cache_config.e2_attention_page_index
-                ),
             )
 
 

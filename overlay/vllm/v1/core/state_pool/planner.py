@@ -6,7 +6,7 @@ tail, `align` mode's state block) and the boot line that reports it."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -98,7 +98,7 @@ def slab_ineligibility(
         return f"KV cache layout {layout.name} packs several layers per block"
     if len({g.kv_cache_spec.block_size for g in attention}) > 1:
         return "attention groups of different block sizes"
-    natural = natural_block_size(vllm_config, attention)
+    natural = natural_block_size(attention)
     if natural is None:
         return "the attention backend's natural block size is unknown"
     for group in attention:
@@ -113,17 +113,68 @@ def slab_ineligibility(
     return None
 
 
-def natural_block_size(
-    vllm_config: VllmConfig, attention: list[KVCacheGroupSpec]
-) -> int | None:
-    """The backend's smallest kernel block: from the specs the workers sent
-    (set where _align_hybrid_block_size ran), else from this process's cache
-    config (planning in-process, as the capacity probe does)."""
+def natural_block_size(attention: list[KVCacheGroupSpec]) -> int | None:
+    """The backend's smallest kernel block, from the specs the workers sent
+    (attention_kernel_fields); None where they name none, or several."""
     sizes = {g.kv_cache_spec.e2_natural_block_size for g in attention}
-    sizes.discard(None)
-    if len(sizes) > 1:
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def backend_natural_block(backend_cls: type[AttentionBackend]) -> int | None:
+    """The block attention slabs are cut at: the backend's smallest kernel
+    block (16 for FlashAttention, 32 on the CPU backend); None for a backend
+    the slab does not serve (SLABLESS_BACKENDS)."""
+    from vllm.v1.attention.backend import MultipleOf
+
+    if backend_cls.get_name() in SLABLESS_BACKENDS:
         return None
-    return sizes.pop() if sizes else vllm_config.cache_config.e2_attention_block_size
+    return min(
+        s.base if isinstance(s, MultipleOf) else s
+        for s in backend_cls.get_supported_kernel_block_sizes()
+    )
+
+
+def attention_kernel_fields(
+    vllm_config: VllmConfig, backend_cls: type[AttentionBackend]
+) -> dict[str, Any]:
+    """The E2 fields of a full attention spec (backend_kernel_fields), for a
+    hybrid model where the slab is not off by configuration; none otherwise."""
+    model_config = vllm_config.model_config
+    if (
+        model_config is None
+        or not model_config.is_hybrid
+        or config_ineligibility(vllm_config) is not None
+    ):
+        return {}
+    return backend_kernel_fields(vllm_config, backend_cls)
+
+
+def backend_kernel_fields(
+    vllm_config: VllmConfig, backend_cls: type[AttentionBackend]
+) -> dict[str, Any]:
+    """What a full attention spec tells the planner, which runs where the
+    backend is never chosen (the engine core): the backend's natural block
+    (backend_natural_block), the kernel block it runs upstream's attention
+    block at, chosen as the worker chooses it (select_common_block_size;
+    FlashAttention runs Qwen3.5-0.8B's 544 tokens as they are, FlashInfer as
+    17 blocks of 32), which sets how wide upstream's block tables are
+    (block_table_growth), and whether the backend keeps a page index beside
+    them (PAGE_INDEX_BACKENDS). None for a backend the slab does not serve."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.utils import select_common_block_size
+
+    natural = backend_natural_block(backend_cls)
+    if natural is None:
+        return {}
+    with set_current_vllm_config(vllm_config):
+        upstream_kernel = select_common_block_size(
+            vllm_config.cache_config.block_size, [backend_cls]
+        )
+    return {
+        "e2_natural_block_size": natural,
+        "e2_upstream_kernel_block_size": upstream_kernel,
+        "e2_attention_page_index": backend_cls.get_name() in PAGE_INDEX_BACKENDS,
+    }
 
 
 # In mamba `align` mode a request's state is kept at every state block
@@ -131,20 +182,24 @@ def natural_block_size(
 ALIGN_STATE_BLOCK_TOKENS = 256
 
 
-def align_state_block_size(vllm_config: VllmConfig, attention_block: int) -> int:
+def align_state_block_size(
+    vllm_config: VllmConfig, attention_block: int, natural: int | None
+) -> int:
     """The state block of mamba `align` mode: upstream's is the raised
     attention block (Qwen3.5-0.8B: 544 tokens); with attention slabs it can be
     ALIGN_STATE_BLOCK_TOKENS, a multiple of the natural attention block, so
-    prefix hits come at least that often. Settings that keep upstream's pool
-    whatever the layout keep upstream's state block too."""
-    natural = vllm_config.cache_config.e2_attention_block_size
+    prefix hits come at least that often (``natural``: the backend's natural
+    block). Settings that keep upstream's pool whatever the layout keep
+    upstream's state block too."""
     if natural is None or config_ineligibility(vllm_config) is not None:
         return attention_block
     block = ALIGN_STATE_BLOCK_TOKENS // natural * natural
     return block if natural <= block < attention_block else attention_block
 
 
-def set_align_state_block(vllm_config: VllmConfig) -> None:
+def set_align_state_block(
+    vllm_config: VllmConfig, backend_cls: type[AttentionBackend]
+) -> None:
     """Mamba `align` mode's state block (align_state_block_size) on the cache
     config, for the worker. Where it is finer than the attention block, the
     prefix-cache keys are taken every natural attention block, and that is
@@ -153,45 +208,15 @@ def set_align_state_block(vllm_config: VllmConfig) -> None:
     config, the scheduler from the planned groups, and both must agree."""
     cache_config = vllm_config.cache_config
     attention_block = cache_config.block_size
-    cache_config.mamba_block_size = align_state_block_size(vllm_config, attention_block)
+    natural = backend_natural_block(backend_cls)
+    cache_config.mamba_block_size = align_state_block_size(
+        vllm_config, attention_block, natural
+    )
     if (
         cache_config.mamba_block_size != attention_block
         and cache_config.prefix_match_unit is None
     ):
-        cache_config.prefix_match_unit = cache_config.e2_attention_block_size
-
-
-def record_upstream_kernel_block(
-    vllm_config: VllmConfig, backend_cls: type[AttentionBackend]
-) -> None:
-    """The kernel block the backend runs upstream's hybrid attention block at,
-    chosen as the worker chooses it (select_common_block_size; FlashAttention
-    runs Qwen3.5-0.8B's 544 tokens as they are, FlashInfer as 17 blocks of 32):
-    upstream's block tables are that wide, and block_table_growth compares the
-    slab's with them. Also whether the backend keeps a page index beside
-    them (PAGE_INDEX_BACKENDS), and first, the backend's natural block: its
-    smallest kernel block, which attention slabs are cut at."""
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backend import MultipleOf
-    from vllm.v1.worker.utils import select_common_block_size
-
-    cache_config = vllm_config.cache_config
-    with set_current_vllm_config(vllm_config):
-        cache_config.e2_attention_block_size = min(
-            s.base if isinstance(s, MultipleOf) else s
-            for s in backend_cls.get_supported_kernel_block_sizes()
-        )
-    if config_ineligibility(vllm_config) is not None:
-        return
-    with set_current_vllm_config(vllm_config):
-        cache_config.e2_upstream_kernel_block_size = select_common_block_size(
-            cache_config.block_size, [backend_cls]
-        )
-    cache_config.e2_attention_page_index = backend_cls.get_name() in PAGE_INDEX_BACKENDS
-    if backend_cls.get_name() in SLABLESS_BACKENDS:
-        # No natural block: slab_ineligibility refuses, and `align` mode keeps
-        # upstream's state block.
-        cache_config.e2_attention_block_size = None
+        cache_config.prefix_match_unit = natural
 
 
 def cut_attention_slabs(
@@ -287,7 +312,14 @@ def keep_upstream_state_block(
     if len(attention) != 1 or cache_config.mamba_block_size in attention:
         return
     (cache_config.mamba_block_size,) = attention
-    if cache_config.prefix_match_unit == cache_config.e2_attention_block_size:
+    natural = natural_block_size(
+        [
+            g
+            for g in kv_cache_configs[0].kv_cache_groups
+            if type(g.kv_cache_spec) is FullAttentionSpec
+        ]
+    )
+    if natural is not None and cache_config.prefix_match_unit == natural:
         cache_config.prefix_match_unit = None
 
 
@@ -394,8 +426,7 @@ def block_table_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
     max_num_seqs rows, each row the group's blocks in kernel blocks. The rest
     (staging, slot mappings) is sized by rows and tokens, not by blocks. An
     attention group whose backend keeps a page index (PAGE_INDEX_BACKENDS)
-    adds it, sized as its builder sizes it (known as the kernel block is:
-    from the specs, else from this process's cache config)."""
+    adds it, sized as its builder sizes it (attention_kernel_fields)."""
     from vllm.v1.worker.block_table import get_block_table_width
 
     max_len = vllm_config.model_config.max_model_len
@@ -412,10 +443,7 @@ def block_table_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
             token_alignment=spec.block_table_token_alignment,
         )
         total += tables * rows * width * BLOCK_ID_BYTES
-        if isinstance(spec, AttentionSpec) and (
-            spec.e2_attention_page_index
-            or vllm_config.cache_config.e2_attention_page_index
-        ):
+        if isinstance(spec, AttentionSpec) and spec.e2_attention_page_index:
             total += (
                 page_index_builders(vllm_config)
                 * rows
@@ -427,18 +455,15 @@ def block_table_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
 
 def _kernel_block_size(vllm_config: VllmConfig, group: KVCacheGroupSpec) -> int:
     """A slab's natural block is a kernel block, states are never split, and
-    upstream's attention block runs at record_upstream_kernel_block's (from
-    the specs the workers sent, else from this process's cache config). One
+    upstream's attention block runs at the kernel block the spec names
+    (attention_kernel_fields; the block whole where it names none). One
     that no longer divides the block (a platform that rounded the block up
     after it was recorded, as XPU does to 64) counts the block whole: more
     table charged, never a width get_block_table_width refuses."""
     spec = group.kv_cache_spec
     if group_blocks_per_page(group) > 1 or not isinstance(spec, AttentionSpec):
         return spec.block_size
-    kernel = (
-        spec.e2_upstream_kernel_block_size
-        or vllm_config.cache_config.e2_upstream_kernel_block_size
-    )
+    kernel = spec.e2_upstream_kernel_block_size
     return kernel if kernel and spec.block_size % kernel == 0 else spec.block_size
 
 
@@ -457,7 +482,6 @@ def cut_attention_slab(
             logger.info_once("E2 state pool off: %s; upstream's shared pool.", reason)
         return upstream_state_blocks(kv_cache_config)
     natural = natural_block_size(
-        vllm_config,
         [
             g
             for g in kv_cache_config.kv_cache_groups
