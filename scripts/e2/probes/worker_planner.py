@@ -121,6 +121,7 @@ def build_specs(vllm_config: Any, backend: Any) -> tuple[dict[str, Any], dict[st
                   if hasattr(hf_text, "linear_num_value_heads")
                   else MambaAttentionBackendEnum.MAMBA2)
     attention = backend.customize_spec(FullAttentionSpec(
+        **e2_attention_fields(vllm_config, backend),
         block_size=cache_config.block_size,
         num_kv_heads=model_config.get_num_kv_heads(parallel),
         head_size=model_config.get_head_size(),
@@ -151,6 +152,16 @@ def build_specs(vllm_config: Any, backend: Any) -> tuple[dict[str, Any], dict[st
         "state_bytes_per_request": n_state * state.real_page_size_bytes * states_per_request,
     }
     return specs, facts
+
+
+def e2_attention_fields(vllm_config: Any, backend: Any) -> dict[str, Any]:
+    """What E2's Attention.get_kv_cache_spec adds to the spec for the planner (the
+    backend's natural block and the like); nothing on stock vLLM."""
+    try:
+        from vllm.v1.core.state_pool.planner import attention_kernel_fields
+    except ImportError:  # stock vLLM
+        return {}
+    return attention_kernel_fields(vllm_config, backend)
 
 
 def _layer_specs(hf_text: Any, attention: Any, state: Any) -> tuple[dict[str, Any], int, int]:
@@ -208,9 +219,10 @@ def plan(vllm_config: Any, backend: Any, specs: dict[str, Any],
         "mamba_block_size": vllm_config.cache_config.mamba_block_size,
         "mamba_page_size_padded": vllm_config.cache_config.mamba_page_size_padded,
         "num_groups": len(groups),
-        # E2 records the backend's natural block here (None on stock vLLM).
-        "e2_attention_block_size": getattr(vllm_config.cache_config,
-                                           "e2_attention_block_size", None),
+        # The backend's natural block E2's attention spec carries (None on stock vLLM).
+        "e2_attention_block_size": next(
+            (getattr(spec, "e2_natural_block_size", None) for spec in specs.values()
+             if type(spec).__name__ == "FullAttentionSpec"), None),
         "groups": [{"kind": type(g.kv_cache_spec).__name__, "layers": len(g.layer_names),
                     "block_size": g.kv_cache_spec.block_size,
                     "blocks_per_page": getattr(g, "blocks_per_page", 1),
