@@ -610,7 +610,10 @@ def _resolve_rust_cli_path() -> str | None:
 
 
 def _e2_switch_variables() -> dict[str, Callable[[], Any]]:
-    """The vLLM E2 switches (vllm/e2_switches.py), strictly "0" or "1"."""
+    """The vLLM E2 switches (vllm/e2_switches.py), strictly "0" or "1"; none
+    where setup.py loads this file on its own, without the vllm package."""
+    if __name__ != "vllm.envs":
+        return {}
     from vllm.e2_switches import E2_SWITCHES, parse_e2_switch
 
     return {name: functools.partial(parse_e2_switch, name) for name in E2_SWITCHES}
