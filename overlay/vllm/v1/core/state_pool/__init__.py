@@ -23,9 +23,13 @@ Its modules, each used from a few named places of upstream's code:
   ``SlabKVCacheTensor.blocks_per_page`` to view attention as natural blocks.
 * ``planner``: the plan's last step (``cut_attention_slabs``, called by
   ``get_kv_cache_configs``) rewrites the attention groups and their tensors
-  within the layer regions upstream placed (packed states and the slab tail
-  included), and chooses `align` mode's state block.
-* ``pools``: the coordinator's block pools (``PagePool``, ``SlabPool``).
+  within the layer regions upstream placed, what the attention spec tells it
+  (``attention_kernel_fields``), and `align` mode's state block;
+  ``layout`` places packed states, the slab tail and page 0's blocks,
+  ``tables`` counts the block tables the plan makes the workers allocate,
+  ``report`` writes the boot line.
+* ``pools``: the coordinator's block pools (``PagePool``, ``SlabPool``), a
+  slab's free blocks kept by page in ``free_queue``.
 * ``coordinator``: what the coordinator does differently with slabs (a step's
   groups, blocks counted as the pages they take).
 * ``admission``: what admission keeps for the running requests.

@@ -149,10 +149,8 @@ def _reserve(
     max_model_len = coordinator.max_model_len
     blocks = states = 0
     for request in running:
-        # Request.num_tokens and num_output_tokens, read without their property
-        # calls: they were 40% of this loop.
-        num_tokens = len(request._all_token_ids)
-        num_output_tokens = len(request._output_token_ids)
+        num_tokens = request.num_tokens
+        num_output_tokens = request.num_output_tokens
         headroom = request.max_tokens - num_output_tokens - 1
         if headroom > DECODE_HEADROOM_TOKENS:
             headroom = DECODE_HEADROOM_TOKENS

@@ -29,12 +29,12 @@ from vllm.v1.core.state_pool.admission import (
     decode_headroom,
     reserve_running_requests,
 )
+from vllm.v1.core.state_pool.layout import slab_head_start
 from vllm.v1.core.state_pool.plan import (
     SlabKVCacheConfig,
     group_blocks_per_page,
     slab_blocks_per_page,
 )
-from vllm.v1.core.state_pool.planner import slab_head_start
 from vllm.v1.core.state_pool.pools import PagePool, SlabPool
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.request import Request
