@@ -192,6 +192,7 @@ def plan(vllm_config: Any, backend: Any, specs: dict[str, Any],
         get_kv_cache_configs,
     )
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     register_all_kvcache_specs(vllm_config)
     tp = vllm_config.parallel_config.tensor_parallel_size
@@ -222,7 +223,7 @@ def plan(vllm_config: Any, backend: Any, specs: dict[str, Any],
         # The backend's natural block E2's attention spec carries (None on stock vLLM).
         "e2_attention_block_size": next(
             (getattr(spec, "e2_natural_block_size", None) for spec in specs.values()
-             if type(spec).__name__ == "FullAttentionSpec"), None),
+             if isinstance(spec, FullAttentionSpec)), None),
         "groups": [{"kind": type(g.kv_cache_spec).__name__, "layers": len(g.layer_names),
                     "block_size": g.kv_cache_spec.block_size,
                     "blocks_per_page": getattr(g, "blocks_per_page", 1),
