@@ -132,6 +132,27 @@ def count_reserve_exactly(coordinator: KVCacheCoordinator) -> bool:
     return True
 
 
+def pages_kept_for_running(coordinator: KVCacheCoordinator) -> int:
+    """Pool pages the running requests' reserve may still take (the slab's
+    by pages_needed, states by page or by the state slab's pages), from the
+    step's bound, counted exactly where the bound would claim every free
+    page."""
+
+    def pages() -> int:
+        slab, state_slab = coordinator.slab_pool, coordinator.state_slab
+        states = coordinator.reserved_states
+        return slab.pages_needed(coordinator.slab_reserved_blocks, ()) + (
+            states if state_slab is None else state_slab.pages_needed(states, ())
+        )
+
+    kept = pages()
+    if kept >= coordinator.block_pool.get_num_free_blocks() and count_reserve_exactly(
+        coordinator
+    ):
+        kept = pages()
+    return kept
+
+
 def _reserve(
     coordinator: KVCacheCoordinator,
     running: Iterable[Request],

@@ -27,6 +27,7 @@ from vllm.v1.core.state_pool.admission import (
     bound_running_reserve,
     count_reserve_exactly,
     decode_headroom,
+    pages_kept_for_running,
     reserve_running_requests,
 )
 from vllm.v1.core.state_pool.layout import slab_head_start
@@ -89,8 +90,15 @@ class StatePoolCoordinator(KVCacheCoordinator):
         self.reserve_advance = 0
         # The groups as (index, manager), those that are not request-constant,
         # and one request-constant group's blocks by request (None if there is
-        # no such group: every group is visited).
-        self.all_groups = tuple(enumerate(self.single_type_managers))
+        # no such group: every group is visited). The attention slab's groups
+        # come last: a step's pages go to the state groups before the slab may
+        # take a free page in place of evicting a cached block.
+        self.all_groups = tuple(
+            sorted(
+                enumerate(self.single_type_managers),
+                key=lambda group: group[1].block_pool is self.slab_pool,
+            )
+        )
         constant = [
             manager
             for _, manager in self.all_groups
@@ -128,6 +136,7 @@ class StatePoolCoordinator(KVCacheCoordinator):
             if config.states_per_page > 1
             else None
         )
+        self.slab_pool.pages_kept_for_running = lambda: pages_kept_for_running(self)
         for group, manager in zip(config.kv_cache_groups, self.single_type_managers):
             manager.block_pool = self._group_pool(group)
             manager._null_block = manager.block_pool.null_block
