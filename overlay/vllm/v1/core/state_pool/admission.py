@@ -132,11 +132,11 @@ def count_reserve_exactly(coordinator: KVCacheCoordinator) -> bool:
     return True
 
 
-def pages_kept_for_running(coordinator: KVCacheCoordinator) -> int:
+def pages_kept_for_running(coordinator: KVCacheCoordinator, beyond: int = 0) -> int:
     """Pool pages the running requests' reserve may still take (the slab's
     by pages_needed, states by page or by the state slab's pages), from the
-    step's bound, counted exactly where the bound would claim every free
-    page."""
+    step's bound, counted exactly where the bound and ``beyond`` more pages
+    would claim every free page."""
 
     def pages() -> int:
         slab, state_slab = coordinator.slab_pool, coordinator.state_slab
@@ -146,9 +146,16 @@ def pages_kept_for_running(coordinator: KVCacheCoordinator) -> int:
         )
 
     kept = pages()
-    if kept >= coordinator.block_pool.get_num_free_blocks() and count_reserve_exactly(
-        coordinator
-    ):
+    if kept + beyond < coordinator.block_pool.get_num_free_blocks():
+        return kept
+    # The bound's list is the scheduler's of the last step, which replaces
+    # it as requests finish: those take nothing more.
+    running, lookahead_tokens = coordinator.reserve_running
+    coordinator.reserve_running = (
+        [request for request in running if not request.is_finished()],
+        lookahead_tokens,
+    )
+    if count_reserve_exactly(coordinator):
         kept = pages()
     return kept
 

@@ -12,6 +12,7 @@ blocks counted as the pages they take, and the admission reserve
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
@@ -136,7 +137,7 @@ class StatePoolCoordinator(KVCacheCoordinator):
             if config.states_per_page > 1
             else None
         )
-        self.slab_pool.pages_kept_for_running = lambda: pages_kept_for_running(self)
+        self.slab_pool.pages_kept_for_running = partial(pages_kept_for_running, self)
         for group, manager in zip(config.kv_cache_groups, self.single_type_managers):
             manager.block_pool = self._group_pool(group)
             manager._null_block = manager.block_pool.null_block

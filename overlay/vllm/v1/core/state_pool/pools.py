@@ -86,9 +86,10 @@ class SlabPool(BlockPool):
         )
         self.page_blocks: dict[int, KVCacheBlock] = {}  # held page id -> its block
         # The pool pages the running requests' admission reserve may still
-        # take (set by the coordinator on the attention slab). None: the slab
-        # evicts its own cached blocks before it takes a page.
-        self.pages_kept_for_running: Callable[[], int] | None = None
+        # take, counted exactly where that and the pages given as argument
+        # would leave none (set by the coordinator on the attention slab).
+        # None: the slab evicts its own cached blocks before it takes a page.
+        self.pages_kept_for_running: Callable[[int], int] | None = None
         self.tail_blocks = tail_blocks
         self.head_blocks = blocks_per_page - (head_start or blocks_per_page)
         # Page 0 past its null blocks and the tail: never a whole free page,
@@ -141,13 +142,10 @@ class SlabPool(BlockPool):
         ended up as such holes and states were evicted for them)."""
         kept = self.pages_kept_for_running
         cached = len(self.free_block_queue.cached_free)
-        return (
-            kept is not None
-            and cached > 0
-            and self.pages.has_uncached_free_page()
-            and self.pages.get_num_free_blocks()
-            > kept() + cached // self.blocks_per_page
-        )
+        if kept is None or not cached or not self.pages.has_uncached_free_page():
+            return False
+        in_holes = cached // self.blocks_per_page
+        return self.pages.get_num_free_blocks() > kept(in_holes) + in_holes
 
     def _give_back(self, page_ids: Iterable[int]) -> None:
         pages = []
