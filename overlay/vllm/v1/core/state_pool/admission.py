@@ -146,7 +146,9 @@ def pages_kept_for_running(coordinator: KVCacheCoordinator, beyond: int = 0) -> 
         )
 
     kept = pages()
-    if kept + beyond < coordinator.block_pool.get_num_free_blocks():
+    if coordinator.reserve_exact or (
+        kept + beyond < coordinator.block_pool.get_num_free_blocks()
+    ):
         return kept
     # The bound's list is the scheduler's of the last step, which replaces
     # it as requests finish: those take nothing more.
@@ -155,9 +157,8 @@ def pages_kept_for_running(coordinator: KVCacheCoordinator, beyond: int = 0) -> 
         [request for request in running if not request.is_finished()],
         lookahead_tokens,
     )
-    if count_reserve_exactly(coordinator):
-        kept = pages()
-    return kept
+    count_reserve_exactly(coordinator)
+    return pages()
 
 
 def _reserve(
